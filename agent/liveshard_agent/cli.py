@@ -1,0 +1,190 @@
+"""The `liveshard` command line: inspect transfer plans between layouts.
+
+`liveshard plan` numbers members by their rank in the old layout; `--drop` removes some, the rest
+take the new layout's ranks from 0 in order, and added members (numbered after the old ones) are
+appended. Without `--drop`, a smaller new layout drops the highest-ranked members.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from typing import Any
+
+from .layout.layout import Layout, parse_degrees
+from .plan.plan import Plan, build_plan, lower_bound_bytes, plan_view, union_members
+from .plan.schedule import build_schedule
+from .vps.box import Box, volume
+from .vps.presets import resolve_model
+from .vps.spec import ModelSpec
+
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """`1073741824`, `1GiB`, `512MiB`, `2GB`: a positive number of bytes."""
+    match = re.fullmatch(r"\s*(\d+)\s*([kmg]i?)?b?\s*", text.lower())
+    if not match or int(match[1]) < 1:
+        raise ValueError(f"budget {text!r} is not a positive size like 1073741824, 512MiB or 2GiB")
+    return int(match[1]) * _UNITS[match[2] or ""]
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--drop {text!r} must be comma-separated member numbers") from None
+
+
+def layouts(
+    spec: ModelSpec, old_text: str, new_text: str, drop: list[int], add: int | None
+) -> tuple[Layout, Layout]:
+    """The old and new layout with members numbered as the module docstring says."""
+    old_degrees, new_degrees = parse_degrees(old_text), parse_degrees(new_text)
+    old = old_degrees.layout(spec, [str(i) for i in range(old_degrees.world_size)])
+    bad = sorted(set(d for d in drop if not 0 <= d < old.world_size))
+    if bad:
+        raise ValueError(f"--drop {bad}: members are numbered 0..{old.world_size - 1}")
+    staying = [m for i, m in enumerate(old.members) if i not in set(drop)]
+    need = new_degrees.world_size
+    if add is None:
+        add = max(need - len(staying), 0)
+        staying = staying[:need]
+    if len(staying) + add != need:
+        raise ValueError(
+            f"{len(staying)} remaining members + {add} added != {need} ranks of the new layout"
+        )
+    added = [str(old.world_size + i) for i in range(add)]
+    return old, new_degrees.layout(spec, staying + added)
+
+
+def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
+    start = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - start
+
+
+def plan_summary(spec: ModelSpec, old: Layout, new: Layout, budget: int) -> dict[str, Any]:
+    """The figures `liveshard plan --json` prints for a whole plan."""
+
+    def plan_and_hash() -> tuple[Plan, str]:
+        plan = build_plan(spec, old, new)
+        return plan, plan.digest
+
+    (plan, digest), plan_seconds = _timed(plan_and_hash)
+    schedule, schedule_seconds = _timed(build_schedule, plan, budget)
+    sends, recvs = plan.member_bytes
+    kept = set(new.members)
+    return {
+        "model": spec.config.name,
+        "from": old.describe(),
+        "to": new.describe(),
+        "ranks_from": old.world_size,
+        "ranks_to": new.world_size,
+        "members_dropped": [m for m in old.members if m not in kept],
+        "members_added": [m for m in new.members if m not in set(old.members)],
+        "transfers": plan.network_transfers,
+        "network_bytes": plan.network_bytes,
+        "lower_bound_bytes": lower_bound_bytes(spec, old, new),
+        "local_bytes": plan.local_bytes,
+        "state_bytes": spec.state_bytes,
+        "max_rank_send_bytes": max(sends.values(), default=0),
+        "max_rank_recv_bytes": max(recvs.values(), default=0),
+        "budget_bytes": budget,
+        "rounds": len(schedule.rounds),
+        "plan_seconds": round(plan_seconds, 4),
+        "schedule_seconds": round(schedule_seconds, 4),
+        "plan_hash": digest,
+    }
+
+
+def view_summary(spec: ModelSpec, old: Layout, new: Layout, member: str) -> dict[str, Any]:
+    """The figures and pieces `liveshard plan --rank R --json` prints for one member."""
+    view, seconds = _timed(plan_view, spec, old, new, member)
+    members = union_members(old, new)
+
+    def entries(items: Any, peer_of: str) -> list[dict[str, Any]]:
+        out = []
+        for ref, t in items:
+            box: Box = t.box
+            out.append(
+                {
+                    "tensor": spec.tensor_name(ref),
+                    "peer": members[getattr(t, peer_of)],
+                    "box": [list(iv) for iv in box],
+                    "bytes": volume(box) * spec.dtype(ref.kind).itemsize,
+                }
+            )
+        return out
+
+    local, sends, recvs = (
+        entries(view.local, "src"),
+        entries(view.sends, "dst"),
+        entries(view.recvs, "src"),
+    )
+    return {
+        "member": member,
+        "old_rank": old.members.index(member) if member in old.members else None,
+        "new_rank": new.members.index(member) if member in new.members else None,
+        "plan_seconds": round(seconds, 4),
+        "local_bytes": sum(e["bytes"] for e in local),
+        "send_bytes": sum(e["bytes"] for e in sends),
+        "recv_bytes": sum(e["bytes"] for e in recvs),
+        "local": local,
+        "sends": sends,
+        "recvs": recvs,
+    }
+
+
+def _print_human(summary: dict[str, Any]) -> None:
+    for key, value in summary.items():
+        if isinstance(value, list) and value and isinstance(value[0], dict):
+            print(f"{key}: {len(value)} pieces")
+        else:
+            print(f"{key}: {value}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="liveshard", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    plan = sub.add_parser("plan", help="compute the transfer plan between two layouts")
+    plan.add_argument("--model", required=True, help="a preset name or a JSON/YAML model file")
+    plan.add_argument(
+        "--from", dest="old", required=True, help="old layout, e.g. tp=8,pp=8,dp=16,zero=1"
+    )
+    plan.add_argument("--to", dest="new", required=True, help="new layout")
+    plan.add_argument("--drop", default="", help="comma-separated member numbers that leave")
+    plan.add_argument("--add", type=int, default=None, help="number of members that join")
+    plan.add_argument("--budget", default="1GiB", help="per-member buffer bytes per round")
+    plan.add_argument("--rank", type=int, default=None, help="print this member's part only")
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        spec = resolve_model(args.model)
+        if args.add is not None and args.add < 0:
+            raise ValueError(f"--add {args.add} must be >= 0")
+        old, new = layouts(spec, args.old, args.new, _int_list(args.drop), args.add)
+        budget = parse_bytes(args.budget)
+        if args.rank is None:
+            summary = plan_summary(spec, old, new, budget)
+        else:
+            summary = view_summary(spec, old, new, str(args.rank))
+    except ValueError as err:
+        print(f"liveshard: error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        _print_human(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,4 @@
+"""Transfer plans between layouts and the round schedules that execute them.
+
+Pure: imports neither torch, grpc nor kubernetes.
+"""

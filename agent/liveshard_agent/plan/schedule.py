@@ -1,0 +1,172 @@
+"""Schedules: a plan's network transfers cut into rounds under a per-member memory budget.
+
+Every member executes the rounds in the same order. Within a round a member posts all its sends
+and receives at once (one coalesced group on NCCL) and waits for all of them before the next round.
+
+Why this cannot deadlock: the rounds are computed from global data only (the plan, which every
+member computes identically and checks by digest, and the budget), so every send in round r has
+its matching receive in round r at its peer, posted in the same relative order. A member waits in
+round r only for operations that its peers post in round r; by induction on r, every member
+reaches round r, posts all of them, and so every operation of round r completes.
+
+Memory: in each round, the bytes a member sends (staged contiguously) plus the bytes it receives
+stay within the budget. Pieces larger than that are cut along dim 0 into chunks; a single row
+larger than the budget is an error, not a hang. Local copies need no buffer and are not scheduled.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from ..vps.box import Box, split_rows, volume
+from ..vps.spec import TensorRef
+from .matching import Transfer
+from .plan import Plan
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Tensors `first..stop-1` of plan group `group`, every network transfer of their pattern."""
+
+    group: int
+    first: int
+    stop: int
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Rows `box` of transfer `transfer` (an index into the pattern's network transfers) of
+    tensor `tensor` of plan group `group`: a piece too large to move in one round."""
+
+    group: int
+    tensor: int
+    transfer: int
+    box: Box
+
+
+Step = Segment | Chunk
+
+
+@dataclass(frozen=True)
+class Schedule:
+    plan: Plan
+    budget: int
+    rounds: tuple[tuple[Step, ...], ...]
+
+    def member_rounds(self, member: int) -> list[list[tuple[TensorRef, Transfer]]]:
+        """The network transfers `member` (a union index) takes part in, round by round, in the
+        order it must post them."""
+        out = []
+        for steps in self.rounds:
+            ops: list[tuple[TensorRef, Transfer]] = []
+            for step in steps:
+                group = self.plan.groups[step.group]
+                pattern = self.plan.patterns[group.pattern]
+                if isinstance(step, Segment):
+                    mine = [pattern.network[i] for i in pattern.by_member.get(member, ())]
+                    refs = [group.tensors.tensor(i) for i in range(step.first, step.stop)]
+                    ops += [(ref, t) for ref in refs for t in mine]
+                else:
+                    t = pattern.network[step.transfer]
+                    if member in (t.src, t.dst):
+                        ops.append((group.tensors.tensor(step.tensor), t._replace(box=step.box)))
+            out.append(ops)
+        return out
+
+    def round_bytes(self) -> list[dict[int, int]]:
+        """Buffer bytes (sent plus received) per member in each round."""
+        out = []
+        for steps in self.rounds:
+            used: dict[int, int] = defaultdict(int)
+            for step in steps:
+                group = self.plan.groups[step.group]
+                pattern = self.plan.patterns[group.pattern]
+                if isinstance(step, Segment):
+                    for t in pattern.network:
+                        n = volume(t.box) * group.itemsize * (step.stop - step.first)
+                        used[t.src] += n
+                        used[t.dst] += n
+                else:
+                    t = pattern.network[step.transfer]
+                    n = volume(step.box) * group.itemsize
+                    used[t.src] += n
+                    used[t.dst] += n
+            out.append(dict(used))
+        return out
+
+
+class _Rounds:
+    """First-fit packing of items with per-member loads into rounds of `budget` bytes."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.steps: list[list[Step]] = []
+        self.used: list[dict[int, int]] = []
+
+    def _fits(self, r: int, load: dict[int, int]) -> int:
+        """How many copies of `load` still fit into round r."""
+        if r == len(self.steps):
+            self.steps.append([])
+            self.used.append(defaultdict(int))
+        used = self.used[r]
+        return min((self.budget - used[m]) // n for m, n in load.items())
+
+    def _add(self, r: int, step: Step, load: dict[int, int], copies: int) -> None:
+        self.steps[r].append(step)
+        for m, n in load.items():
+            self.used[r][m] += n * copies
+
+    def place_tensors(self, group: int, count: int, load: dict[int, int]) -> None:
+        """Place `count` tensors of equal per-member `load`, as few segments as possible."""
+        first, r = 0, 0
+        while first < count:
+            take = min(self._fits(r, load), count - first)
+            if take > 0:
+                self._add(r, Segment(group, first, first + take), load, take)
+                first += take
+            r += 1
+
+    def place_chunk(self, chunk: Chunk, load: dict[int, int]) -> None:
+        r = 0
+        while self._fits(r, load) < 1:
+            r += 1
+        self._add(r, chunk, load, 1)
+
+
+def build_schedule(plan: Plan, budget: int) -> Schedule:
+    """Cut `plan`'s network transfers into rounds of at most `budget` buffer bytes per member."""
+    if budget < 1:
+        raise ValueError(f"budget must be a positive number of bytes, got {budget}")
+    rounds = _Rounds(budget)
+    for g, group in enumerate(plan.groups):
+        pattern = plan.patterns[group.pattern]
+        if not pattern.network:
+            continue
+        sends, recvs = pattern.member_elements
+        load = {m: 0 for m in (*sends, *recvs)}
+        for m, n in (*sends.items(), *recvs.items()):
+            load[m] += n * group.itemsize
+        if max(load.values()) <= budget:
+            rounds.place_tensors(g, len(group.tensors), load)
+            continue
+        for tensor in range(len(group.tensors)):
+            for i, t in enumerate(pattern.network):
+                for box in _chunks(
+                    plan, group.tensors.tensor(tensor), t.box, group.itemsize, budget
+                ):
+                    n = volume(box) * group.itemsize
+                    rounds.place_chunk(Chunk(g, tensor, i, box), {t.src: n, t.dst: n})
+    return Schedule(plan, budget, tuple(tuple(steps) for steps in rounds.steps))
+
+
+def _chunks(plan: Plan, ref: TensorRef, box: Box, itemsize: int, budget: int) -> list[Box]:
+    rows = box[0][1] - box[0][0]
+    row_bytes = volume(box) // rows * itemsize
+    if row_bytes > budget:
+        name = plan.spec.tensor_name(ref)
+        raise ValueError(
+            f"budget {budget} bytes is below one row ({row_bytes} bytes) of {name}; "
+            "raise the budget"
+        )
+    return split_rows(box, budget // row_bytes)
