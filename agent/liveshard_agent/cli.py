@@ -2,16 +2,19 @@
 
 `liveshard plan` numbers members by their rank in the old layout; `--drop` removes some, the rest
 take the new layout's ranks from 0 in order, and added members (numbered after the old ones) are
-appended. Without `--drop`, a smaller new layout drops the highest-ranked members.
+appended. `--replace` gives a dropped member's rank to a new member instead (a replaced pod).
+Without `--drop`, a smaller new layout drops the highest-ranked members.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from .layout.layout import Layout, parse_degrees
@@ -32,23 +35,36 @@ def parse_bytes(text: str) -> int:
     return int(match[1]) * _UNITS[match[2] or ""]
 
 
-def _int_list(text: str) -> list[int]:
+def _int_list(text: str, flag: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"--drop {text!r} must be comma-separated member numbers") from None
+        raise ValueError(f"{flag} {text!r} must be comma-separated member numbers") from None
 
 
 def layouts(
-    spec: ModelSpec, old_text: str, new_text: str, drop: list[int], add: int | None
+    spec: ModelSpec,
+    old_text: str,
+    new_text: str,
+    drop: Sequence[int],
+    add: int | None,
+    replace: Sequence[int] = (),
 ) -> tuple[Layout, Layout]:
     """The old and new layout with members numbered as the module docstring says."""
     old_degrees, new_degrees = parse_degrees(old_text), parse_degrees(new_text)
     old = old_degrees.layout(spec, [str(i) for i in range(old_degrees.world_size)])
-    bad = sorted(set(d for d in drop if not 0 <= d < old.world_size))
-    if bad:
-        raise ValueError(f"--drop {bad}: members are numbered 0..{old.world_size - 1}")
-    staying = [m for i, m in enumerate(old.members) if i not in set(drop)]
+    for flag, numbers in (("--drop", drop), ("--replace", replace)):
+        bad = sorted({n for n in numbers if not 0 <= n < old.world_size})
+        if bad:
+            raise ValueError(f"{flag} {bad}: members are numbered 0..{old.world_size - 1}")
+    if set(drop) & set(replace):
+        raise ValueError(
+            f"members {sorted(set(drop) & set(replace))} are both dropped and replaced"
+        )
+    fresh = (str(n) for n in itertools.count(old.world_size))
+    staying = [
+        next(fresh) if i in replace else m for i, m in enumerate(old.members) if i not in drop
+    ]
     need = new_degrees.world_size
     if add is None:
         add = max(need - len(staying), 0)
@@ -57,8 +73,7 @@ def layouts(
         raise ValueError(
             f"{len(staying)} remaining members + {add} added != {need} ranks of the new layout"
         )
-    added = [str(old.world_size + i) for i in range(add)]
-    return old, new_degrees.layout(spec, staying + added)
+    return old, new_degrees.layout(spec, staying + [next(fresh) for _ in range(add)])
 
 
 def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
@@ -142,9 +157,12 @@ def view_summary(spec: ModelSpec, old: Layout, new: Layout, member: str) -> dict
 def _print_human(summary: dict[str, Any]) -> None:
     for key, value in summary.items():
         if isinstance(value, list) and value and isinstance(value[0], dict):
-            print(f"{key}: {len(value)} pieces")
-        else:
-            print(f"{key}: {value}")
+            value = f"{len(value)} pieces"
+        elif isinstance(value, list) and len(value) > 8:
+            value = f"{len(value)} members: {', '.join(value[:4])}, ..., {value[-1]}"
+        elif isinstance(value, list):
+            value = ", ".join(value) or "none"
+        print(f"{key}: {value}")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -158,6 +176,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--to", dest="new", required=True, help="new layout")
     plan.add_argument("--drop", default="", help="comma-separated member numbers that leave")
     plan.add_argument("--add", type=int, default=None, help="number of members that join")
+    plan.add_argument(
+        "--replace", default="", help="comma-separated member numbers whose rank a new member takes"
+    )
     plan.add_argument("--budget", default="1GiB", help="per-member buffer bytes per round")
     plan.add_argument("--rank", type=int, default=None, help="print this member's part only")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
@@ -170,7 +191,10 @@ def main(argv: list[str] | None = None) -> int:
         spec = resolve_model(args.model)
         if args.add is not None and args.add < 0:
             raise ValueError(f"--add {args.add} must be >= 0")
-        old, new = layouts(spec, args.old, args.new, _int_list(args.drop), args.add)
+        old, new = layouts(
+            spec, args.old, args.new, _int_list(args.drop, "--drop"), args.add,
+            _int_list(args.replace, "--replace"),
+        )  # fmt: skip
         budget = parse_bytes(args.budget)
         if args.rank is None:
             summary = plan_summary(spec, old, new, budget)

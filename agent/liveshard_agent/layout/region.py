@@ -107,6 +107,8 @@ def partition(layout: Layout, placed: Placed) -> list[tuple[Box, tuple[int, ...]
     """The tensor's non-empty boxes, each with the sorted ranks that hold it.
 
     The boxes are disjoint and cover the tensor: replicas of a box are one entry with many holders.
+    Holders come out sorted without sorting: a rank grows with (stage, dp index, tp index), stages
+    are sorted, and the loops run in that order.
     """
     group = _dp_group(layout, placed)
     tp_keys: list[int | None] = list(range(layout.tp)) if placed.split_dim is not None else [None]
@@ -117,12 +119,12 @@ def partition(layout: Layout, placed: Placed) -> list[tuple[Box, tuple[int, ...]
         if placed.sharded:
             for z, dp_i in enumerate(group):
                 holders = tuple(
-                    sorted(layout.rank(s, dp_i, t) for s, t in product(placed.stages, tp_ranks))
+                    layout.rank(s, dp_i, t) for s, t in product(placed.stages, tp_ranks)
                 )
                 out += [(box, holders) for box in _zero_shard(placed, local, len(group), z)]
         else:
             holders = tuple(
-                sorted(layout.rank(s, d, t) for s, d, t in product(placed.stages, group, tp_ranks))
+                layout.rank(s, d, t) for s, d, t in product(placed.stages, group, tp_ranks)
             )
             out += [(box, holders) for box in local]
     return [(box, holders) for box, holders in out if not is_empty(box)]

@@ -66,17 +66,22 @@ class _Grid:
 
 
 class Matching:
-    """The pieces of one tensor class between an old and a new partition (member indices)."""
+    """The pieces of one tensor class between an old and a new partition (member indices).
+
+    Overlaps are looked up on demand, so one member's part costs only the boxes it touches.
+    """
 
     def __init__(self, old: Partition, new: Partition) -> None:
         self.old = old
         self.new = new
-        grid = _Grid([box for box, _ in old])
-        self.old_of_new = [grid.overlapping(box) for box, _ in new]
-        self.new_of_old: list[list[int]] = [[] for _ in old]
-        for k, js in enumerate(self.old_of_new):
-            for j in js:
-                self.new_of_old[j].append(k)
+        self._old_grid = _Grid([box for box, _ in old])
+        self._new_grid = _Grid([box for box, _ in new])
+
+    def new_of_old(self, j: int) -> list[int]:
+        return self._new_grid.overlapping(self.old[j][0])
+
+    def old_of_new(self, k: int) -> list[int]:
+        return self._old_grid.overlapping(self.new[k][0])
 
     def from_old_box(self, j: int) -> list[Transfer]:
         """Every piece taken out of old box `j`: local copies and network transfers."""
@@ -84,7 +89,7 @@ class Matching:
         held = set(holders)
         out: list[Transfer] = []
         pending: dict[int, list[Box]] = defaultdict(list)
-        for k in self.new_of_old[j]:
+        for k in self.new_of_old(j):
             new_box, needers = self.new[k]
             piece = intersect(box, new_box)
             assert piece is not None
@@ -109,7 +114,7 @@ class Matching:
         needs (indices into the partitions), without computing other old boxes' pieces."""
         sources = set(old_boxes)
         for k in new_boxes:
-            sources.update(self.old_of_new[k])
+            sources.update(self.old_of_new(k))
         return [
             t for j in sorted(sources) for t in self.from_old_box(j) if member in (t.src, t.dst)
         ]
