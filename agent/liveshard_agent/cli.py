@@ -3,7 +3,7 @@
 `liveshard plan` numbers members by their rank in the old layout; `--drop` removes some, the rest
 take the new layout's ranks from 0 in order, and added members (numbered after the old ones) are
 appended. `--replace` gives a dropped member's rank to a new member instead (a replaced pod).
-Without `--drop`, a smaller new layout drops the highest-ranked members.
+With neither `--drop` nor `--replace`, a smaller new layout drops the highest-ranked members.
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ def layouts(
     need = new_degrees.world_size
     if add is None:
         add = max(need - len(staying), 0)
-        staying = staying[:need]
+        if not drop and not replace:
+            staying = staying[:need]
     if len(staying) + add != need:
         raise ValueError(
             f"{len(staying)} remaining members + {add} added != {need} ranks of the new layout"

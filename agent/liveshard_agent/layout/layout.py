@@ -34,7 +34,7 @@ class Layout:
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"layout: {name}={value!r} must be an integer >= 1")
-        if self.zero not in ZERO_STAGES:
+        if type(self.zero) is not int or self.zero not in ZERO_STAGES:
             raise ValueError(
                 f"layout: zero={self.zero!r} must be one of {ZERO_STAGES} "
                 "(ZeRO-2 differs from 1 only in gradients, which no switch carries)"
@@ -63,13 +63,16 @@ class Layout:
         *,
         dp: int = 1,
         tp: int = 1,
-        pp: int = 1,
+        pp: int | None = None,
         ep: int = 1,
         zero: int = 0,
         pp_layers: tuple[int, ...] | None = None,
     ) -> Layout:
-        """A layout for `spec`, with the balanced partition by default, checked for feasibility."""
+        """A layout for `spec`, checked for feasibility. Without `pp_layers` the partition is
+        balanced; without `pp`, there are as many stages as `pp_layers` lists (or one)."""
         layers = spec.config.layers
+        if pp is None:
+            pp = 1 if pp_layers is None else len(pp_layers)
         if pp_layers is None:
             if type(pp) is not int or not 1 <= pp <= layers:
                 raise ValueError(f"layout: pp={pp!r} must be between 1 and the {layers} layers")

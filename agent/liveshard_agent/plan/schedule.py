@@ -127,11 +127,16 @@ class _Rounds:
                 first += take
             r += 1
 
-    def place_chunk(self, chunk: Chunk, load: dict[int, int]) -> None:
-        r = 0
+    def place_chunk(self, chunk: Chunk, load: dict[int, int], start: int) -> int:
+        """Place one chunk in the first round from `start` with room; return that round.
+
+        Usage only grows, so the next chunk of the same load cannot fit before this round.
+        """
+        r = start
         while self._fits(r, load) < 1:
             r += 1
         self._add(r, chunk, load, 1)
+        return r
 
 
 def build_schedule(plan: Plan, budget: int) -> Schedule:
@@ -152,11 +157,12 @@ def build_schedule(plan: Plan, budget: int) -> Schedule:
             continue
         for tensor in range(len(group.tensors)):
             for i, t in enumerate(pattern.network):
-                for box in _chunks(
-                    plan, group.tensors.tensor(tensor), t.box, group.itemsize, budget
-                ):
+                ref = group.tensors.tensor(tensor)
+                start = 0
+                for box in _chunks(plan, ref, t.box, group.itemsize, budget):
                     n = volume(box) * group.itemsize
-                    rounds.place_chunk(Chunk(g, tensor, i, box), {t.src: n, t.dst: n})
+                    load = {t.src: n, t.dst: n}
+                    start = rounds.place_chunk(Chunk(g, tensor, i, box), load, start)
     return Schedule(plan, budget, tuple(tuple(steps) for steps in rounds.steps))
 
 

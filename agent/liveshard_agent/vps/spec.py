@@ -237,7 +237,7 @@ def config_from_dict(data: Any, source: str) -> TransformerConfig:
     if not isinstance(data, dict):
         raise ValueError(f"{source}: expected a mapping of model fields, got {type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(TransformerConfig)}
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted(str(key) for key in set(data) - set(fields))
     if unknown:
         raise ValueError(f"{source}: unknown field(s) {unknown}; valid fields: {sorted(fields)}")
     missing = sorted(
