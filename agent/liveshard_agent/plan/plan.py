@@ -54,6 +54,15 @@ class Pattern:
         return dict(sends), dict(recvs)
 
     @cached_property
+    def local_by_member(self) -> dict[int, tuple[Transfer, ...]]:
+        """The local copies of each member, per tensor."""
+        out: dict[int, list[Transfer]] = defaultdict(list)
+        for t in self.transfers:
+            if t.src == t.dst:
+                out[t.src].append(t)
+        return {m: tuple(ts) for m, ts in out.items()}
+
+    @cached_property
     def by_member(self) -> dict[int, tuple[int, ...]]:
         """Indices of the network transfers each member takes part in."""
         out: dict[int, list[int]] = defaultdict(list)
@@ -188,6 +197,15 @@ class Plan:
             for g in self.groups
             for ref in g.tensors.tensors
             for t in self.patterns[g.pattern].transfers
+        ]
+
+    def local_copies(self, member: int) -> list[tuple[TensorRef, Transfer]]:
+        """What `member` (a union index) copies from its old state into its new one."""
+        return [
+            (ref, t)
+            for g in self.groups
+            for t in self.patterns[g.pattern].local_by_member.get(member, ())
+            for ref in g.tensors.tensors
         ]
 
     @cached_property
