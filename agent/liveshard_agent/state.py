@@ -51,21 +51,25 @@ def seeded_box(
     return values.to(TORCH_DTYPES[spec.dtype(ref.kind)])
 
 
-def box_checksum(tensor: torch.Tensor, box: Box) -> torch.Tensor:
-    """(sum, row-weighted sum, column-weighted sum) of the tensor's bit patterns, int64, wrapping.
+CHECKSUM_MASK = 0xFFFFFFFF  # checksums are compared modulo 2**32
 
-    Additive over disjoint boxes, and sensitive to values moved to another row or column.
+
+def box_checksum(tensor: torch.Tensor, box: Box) -> torch.Tensor:
+    """(sum, row-weighted sum, column-weighted sum) of the tensor's bit patterns modulo 2**32.
+
+    Additive over disjoint boxes (modulo 2**32), and sensitive to values moved to another row or
+    column. Sums accumulate in int32, wrapping, which keeps them at memory speed.
     """
-    bits = tensor.contiguous().view(_BITS[tensor.element_size()]).to(torch.int64)
+    bits = tensor.contiguous().view(_BITS[tensor.element_size()])
     rows = bits.reshape(bits.shape[0], -1) if bits.dim() else bits.reshape(1, 1)
+    row_sums = rows.sum(1, dtype=torch.int32).to(torch.int64)
     row_ids = torch.arange(box[0][0] + 1, box[0][1] + 1, device=bits.device)
-    out = [rows.sum(), (rows.sum(1) * row_ids).sum()]
+    col_term = torch.zeros((), dtype=torch.int64, device=bits.device)
     if bits.dim() >= 2:
-        cols = bits.reshape(bits.shape[0], bits.shape[1], -1).sum((0, 2))
-        out.append((cols * torch.arange(box[1][0] + 1, box[1][1] + 1, device=bits.device)).sum())
-    else:
-        out.append(torch.zeros((), dtype=torch.int64, device=bits.device))
-    return torch.stack(out)
+        cols = bits.reshape(bits.shape[0], bits.shape[1], -1).sum((0, 2), dtype=torch.int32)
+        col_ids = torch.arange(box[1][0] + 1, box[1][1] + 1, device=bits.device)
+        col_term = (cols.to(torch.int64) * col_ids).sum()
+    return torch.stack([row_sums.sum(), (row_sums * row_ids).sum(), col_term]) & CHECKSUM_MASK
 
 
 @dataclass

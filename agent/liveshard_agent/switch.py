@@ -32,7 +32,7 @@ from torch._C._distributed_c10d import AllreduceOptions, ReduceOp, Store
 from .layout.layout import Layout
 from .plan.plan import Plan, build_plan
 from .plan.schedule import Schedule, build_schedule
-from .state import ShardedState
+from .state import CHECKSUM_MASK, ShardedState
 from .transfer import Memory, TransferError, TransferStats, run_schedule
 from .vps.spec import ModelSpec
 from .world import Group, World, union_group
@@ -115,6 +115,8 @@ class Reconfiguration:
         return future
 
     def prepare(self) -> None:
+        # A store client is not safe to share between threads: prepare uses a clone of its own.
+        self.store = self.store.clone()
         start = time.perf_counter()
         self.plan = build_plan(self.spec, self.old, self.new)
         self.schedule = build_schedule(self.plan, self.budget)
@@ -229,7 +231,7 @@ class Reconfiguration:
             return False, f"epoch {self.epoch}: {failed} member(s) voted no{detail}"
         n = old_sums.numel()
         old, new = vote[1 : 1 + n].view(-1, 3), vote[1 + n :].view(-1, 3)
-        bad = (old != new).any(dim=1).nonzero().flatten().tolist()
+        bad = ((old - new) & CHECKSUM_MASK != 0).any(dim=1).nonzero().flatten().tolist()
         if bad:
             names = [self.spec.tensor_name(self.spec.tensors()[i]) for i in bad[:5]]
             return False, f"epoch {self.epoch}: checksums differ after the transfer for {names}"

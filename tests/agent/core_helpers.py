@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from itertools import combinations, pairwise
 
 from hypothesis import strategies as st
+
 from liveshard_agent.layout.layout import Layout
 from liveshard_agent.layout.region import region
 from liveshard_agent.plan.plan import Plan

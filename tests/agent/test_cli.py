@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from liveshard_agent.cli import main
 from liveshard_agent.layout.layout import Layout
 from liveshard_agent.plan.plan import build_plan

@@ -130,3 +130,11 @@ def test_repeated_switches_do_not_grow_threads_or_memory(pool: Pool) -> None:
         assert second[w]["threads"] <= first[w]["threads"], (first[w], second[w])
         assert second[w]["python_threads"] <= first[w]["python_threads"]
         assert second[w]["rss"] - first[w]["rss"] < 32 << 20, (first[w], second[w])
+
+
+def test_new_world_is_built_while_the_old_world_trains(pool: Pool) -> None:
+    old, new = ("dp=2,zero=1", names(2)), ("tp=2,dp=2,zero=1", names(4))
+    results = run_switch(pool, "tiny", old, new, train=True)
+    assert all(r["committed"] and not r["wrong_boxes"] for r in results.values())
+    # The old members kept stepping (all-reducing) while the union and new groups were built.
+    assert all(results[m]["steps_while_preparing"] > 0 for m in old[1])

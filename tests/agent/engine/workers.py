@@ -132,6 +132,7 @@ def switch(
     fault: tuple[str, int, float] | None = None,
     timeouts: tuple[float, float, float] = (10, 20, 30),
     keep: bool = False,
+    train: bool = False,
 ) -> dict[str, Any]:
     """One member's side of a switch from `old` to `new` (degrees text, members), starting from
     the seeded state (or the state kept from the previous task with `keep`)."""
@@ -140,7 +141,7 @@ def switch(
     from liveshard_agent.layout.layout import parse_degrees
     from liveshard_agent.state import ShardedState
     from liveshard_agent.switch import Fault, FaultKind, PlanMismatch, Reconfiguration, Timeouts
-    from liveshard_agent.world import StoreAddress, connect_store
+    from liveshard_agent.world import StoreAddress, World, connect_store
 
     spec = _spec(model)
     cpu = torch.device("cpu")
@@ -157,9 +158,16 @@ def switch(
     reconfig = Reconfiguration(
         spec, old_layout, new_layout, member, store, epoch, cpu, budget, Timeouts(*timeouts)
     )
+    old_world = None
+    if train and member in old_layout.members:
+        old_world = World.build(store, epoch + 10_000, old_layout, member, cpu, timeout=20)
     start = time.monotonic()
+    steps = 0
     try:
-        reconfig.prepare_in_background().result()
+        preparing = reconfig.prepare_in_background()
+        if old_world is not None:
+            steps = _train_until(preparing, old_world)
+        preparing.result()
     except PlanMismatch as err:
         intact = state is not None and not state.matches_seed(seed)
         return {"committed": False, "reason": str(err), "mismatch": True, "intact": intact}
@@ -180,5 +188,24 @@ def switch(
         "budget": result.memory.budget,
         "rounds": result.stats.rounds,
         "sent": result.stats.sent_bytes,
+        "steps_while_preparing": steps,
         "received": result.stats.received_bytes,
     }
+
+
+def _train_until(done: Any, world: Any) -> int:
+    """Stand-in for training in the old world: all-reduces on its world group until `done`;
+    returns the number of steps, each checked for the right sum."""
+    import torch
+    from torch._C._distributed_c10d import AllreduceOptions
+
+    size = world.layout.world_size
+    steps = 0
+    while True:
+        # Members agree through the old world whether every one of them is done preparing.
+        flag = torch.tensor([0 if done.done() else 1, 1])
+        world.groups["world"].allreduce([flag], AllreduceOptions()).wait()
+        if flag[0] < size:
+            return steps
+        assert int(flag[1]) == size
+        steps += 1

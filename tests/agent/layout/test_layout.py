@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from liveshard_agent.layout.layout import Degrees, Layout, parse_degrees
 from liveshard_agent.vps.presets import preset
 from liveshard_agent.vps.spec import ModelSpec, TransformerConfig

@@ -5,6 +5,7 @@ from __future__ import annotations
 from core_helpers import cases, inside, pairwise_disjoint
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from liveshard_agent.layout.layout import Layout
 from liveshard_agent.layout.region import partition, place, rank_boxes, region
 from liveshard_agent.vps.box import Box, full_box, volume

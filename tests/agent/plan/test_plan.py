@@ -12,6 +12,7 @@ import pytest
 from core_helpers import Case, Key, brute_lower_bound, cases, check_plan, expanded
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from liveshard_agent.layout.layout import Layout
 from liveshard_agent.plan.matching import Transfer
 from liveshard_agent.plan.plan import (

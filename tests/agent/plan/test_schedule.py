@@ -8,6 +8,7 @@ import pytest
 from core_helpers import Case, cases, inside, pairwise_disjoint
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from liveshard_agent.layout.layout import Layout
 from liveshard_agent.plan.matching import Transfer
 from liveshard_agent.plan.plan import Plan, build_plan

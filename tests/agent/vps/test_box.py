@@ -7,6 +7,7 @@ import itertools
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from liveshard_agent.vps.box import (
     chunk,
     full_box,

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from liveshard_agent.vps.presets import CONFIGS, preset, resolve_model
 from liveshard_agent.vps.spec import (
     DType,
