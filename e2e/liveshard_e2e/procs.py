@@ -1,0 +1,142 @@
+"""Starting and stopping the cluster's local processes by recorded id, never by name.
+
+A process is recorded as its pid plus its kernel start time (``/proc/<pid>/stat`` field 22), so a
+recycled pid is never mistaken for ours. Each process leads its own process group, and stopping
+signals the whole group: SIGTERM, a grace period, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProcessRecord:
+    """A process we started: enough to find it again safely."""
+
+    name: str
+    pid: int
+    start_time: int
+    log_file: str
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "pid": self.pid,
+            "start_time": self.start_time,
+            "log_file": self.log_file,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, object]) -> ProcessRecord:
+        return cls(
+            name=str(data["name"]),
+            pid=int(str(data["pid"])),
+            start_time=int(str(data["start_time"])),
+            log_file=str(data["log_file"]),
+        )
+
+
+def process_start_time(pid: int) -> int | None:
+    """The kernel start time of ``pid`` in clock ticks, or None when there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # The command name (field 2) may hold spaces and parentheses; fields resume after the last ')'.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    if fields[0] == "Z":  # a zombie has exited already
+        return None
+    return int(fields[19])
+
+
+def is_alive(record: ProcessRecord) -> bool:
+    """Whether the recorded process still runs (same pid and same start time)."""
+    return process_start_time(record.pid) == record.start_time
+
+
+def start(
+    name: str,
+    argv: list[str],
+    log_file: Path,
+    *,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+) -> tuple[subprocess.Popen[bytes], ProcessRecord]:
+    """Starts ``argv`` leading a new session; stdout and stderr are appended to ``log_file``."""
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_file, "ab") as out:
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
+        )
+    start_time = process_start_time(proc.pid)
+    if start_time is None:
+        proc.wait()
+        raise RuntimeError(
+            f"{name} exited at once with status {proc.returncode}; see {log_file}:\n"
+            + tail(log_file)
+        )
+    log.info("started %s pid %d: %s", name, proc.pid, " ".join(argv))
+    return proc, ProcessRecord(name, proc.pid, start_time, str(log_file))
+
+
+def stop(record: ProcessRecord, grace_seconds: float = 10.0) -> None:
+    """SIGTERM to the recorded process group, then SIGKILL after ``grace_seconds``."""
+    if not is_alive(record):
+        return
+    log.info("stopping %s pid %d", record.name, record.pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(record.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_seconds
+    while time.monotonic() < deadline:
+        _reap(record.pid)
+        if not is_alive(record):
+            return
+        time.sleep(0.1)
+    log.warning(
+        "%s pid %d ignored SIGTERM for %.0f s; killing", record.name, record.pid, grace_seconds
+    )
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(record.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while is_alive(record) and time.monotonic() < deadline:
+        _reap(record.pid)
+        time.sleep(0.05)
+
+
+def _reap(pid: int) -> None:
+    """Collects our own exited child so it does not linger as a zombie."""
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def tail(path: Path | str, lines: int = 30) -> str:
+    """The last ``lines`` lines of a log file, for error messages."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except FileNotFoundError:
+        return f"({path} does not exist)"
+    return "\n".join(text.splitlines()[-lines:])

@@ -1,0 +1,139 @@
+"""A minimal Kubernetes REST client over JSON dicts, for the process kubelet.
+
+The kubelet handles pods as the API's plain JSON (it reads fields the typed models rename and
+patches status with strategic-merge patches), so it talks HTTP directly with the credentials
+of a kubeconfig this project wrote itself (server, CA file, client cert and key, or a token).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlencode
+
+import urllib3
+import yaml
+
+log = logging.getLogger(__name__)
+
+STRATEGIC = "application/strategic-merge-patch+json"
+MERGE = "application/merge-patch+json"
+
+
+class ApiError(RuntimeError):
+    """A non-2xx answer from the API server."""
+
+    def __init__(self, method: str, path: str, status: int, body: str) -> None:
+        self.status = status
+        self.body = body
+        try:
+            self.reason = str(json.loads(body).get("reason", ""))
+        except (ValueError, AttributeError):
+            self.reason = ""
+        super().__init__(f"{method} {path}: HTTP {status}: {body[:500]}")
+
+
+class Rest:
+    """JSON requests against one API server with one identity; safe to share between threads."""
+
+    def __init__(self, kubeconfig: Path | str, pool_size: int = 16) -> None:
+        config = yaml.safe_load(Path(kubeconfig).read_text())
+        current = config["current-context"]
+        context = next(c["context"] for c in config["contexts"] if c["name"] == current)
+        cluster = next(c["cluster"] for c in config["clusters"] if c["name"] == context["cluster"])
+        user = next(u["user"] for u in config["users"] if u["name"] == context["user"])
+        self.server = str(cluster["server"]).rstrip("/")
+        self._headers = {"Accept": "application/json"}
+        if "token" in user:
+            self._headers["Authorization"] = f"Bearer {user['token']}"
+        self._pool = urllib3.PoolManager(
+            maxsize=pool_size,
+            ca_certs=cluster["certificate-authority"],
+            cert_file=user.get("client-certificate"),
+            key_file=user.get("client-key"),
+            retries=False,
+        )
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        query: dict[str, Any] | None = None,
+        content_type: str = "application/json",
+        timeout: float = 30.0,
+    ) -> Any:
+        """One request; the decoded JSON answer, or :class:`ApiError`."""
+        url = self.server + path + (f"?{urlencode(query)}" if query else "")
+        headers = dict(self._headers)
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode()
+            headers["Content-Type"] = content_type
+        resp = self._pool.request(method, url, body=data, headers=headers, timeout=timeout)
+        text = resp.data.decode(errors="replace")
+        if not 200 <= resp.status < 300:
+            raise ApiError(method, path, resp.status, text)
+        return json.loads(text) if text else None
+
+    def get_text(self, path: str) -> str:
+        """A GET whose answer is text (``/readyz``, ``/version`` is JSON but fine too)."""
+        resp = self._pool.request("GET", self.server + path, headers=self._headers, timeout=10)
+        text = resp.data.decode(errors="replace")
+        if resp.status != 200:
+            raise ApiError("GET", path, resp.status, text)
+        return text
+
+    def get(self, path: str, **query: Any) -> Any:
+        return self.request("GET", path, query=query or None)
+
+    def post(self, path: str, body: Any) -> Any:
+        return self.request("POST", path, body)
+
+    def patch(self, path: str, body: Any, content_type: str = STRATEGIC) -> Any:
+        return self.request("PATCH", path, body, content_type=content_type)
+
+    def delete(self, path: str, body: Any = None) -> Any:
+        return self.request("DELETE", path, body)
+
+    def watch(
+        self, path: str, resource_version: str, timeout_seconds: int = 240, **query: Any
+    ) -> Iterator[dict[str, Any]]:
+        """Watch events from ``resource_version``; ends when the server closes the stream.
+        An ERROR event (410 Gone among them) is raised as :class:`ApiError`."""
+        params = {
+            "watch": "true",
+            "resourceVersion": resource_version,
+            "timeoutSeconds": timeout_seconds,
+            "allowWatchBookmarks": "true",
+            **query,
+        }
+        url = f"{self.server}{path}?{urlencode(params)}"
+        resp = self._pool.request(
+            "GET",
+            url,
+            headers=self._headers,
+            preload_content=False,
+            timeout=urllib3.Timeout(connect=10, read=timeout_seconds + 30),
+        )
+        try:
+            if resp.status != 200:
+                raise ApiError("WATCH", path, resp.status, resp.read().decode(errors="replace"))
+            buffer = b""
+            for chunk in resp.stream(65536):
+                buffer += chunk
+                while b"\n" in buffer:
+                    line, buffer = buffer.split(b"\n", 1)
+                    if not line.strip():
+                        continue
+                    event = json.loads(line)
+                    if event["type"] == "ERROR":
+                        obj = event["object"]
+                        raise ApiError("WATCH", path, int(obj.get("code", 500)), json.dumps(obj))
+                    yield event
+        finally:
+            resp.release_conn()

@@ -1,0 +1,49 @@
+"""Fixtures for end-to-end tests against a real local cluster (see docs/cluster.md).
+
+One cluster per test session (``LIVESHARD_E2E_CLUSTER``, default ``pytest``, 3 nodes with 2 fake
+GPUs each), stopped at the end; each test gets a fresh namespace. Without built binaries the
+tests skip, unless ``LIVESHARD_E2E_REQUIRED=1`` makes that a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from liveshard_e2e import cluster
+from liveshard_e2e.binaries import BinariesMissing, find_binaries
+from liveshard_e2e.testing import Kube
+
+NODES = 3
+GPUS_PER_NODE = 2
+
+
+@pytest.fixture(scope="session")
+def local_cluster() -> Iterator[cluster.ClusterInfo]:
+    """A running cluster for the whole session."""
+    try:
+        find_binaries()
+    except BinariesMissing as err:
+        if os.environ.get("LIVESHARD_E2E_REQUIRED") == "1":
+            pytest.fail(f"LIVESHARD_E2E_REQUIRED=1 but {err}", pytrace=False)
+        pytest.skip(str(err))
+    name = os.environ.get("LIVESHARD_E2E_CLUSTER", "pytest")
+    options = cluster.ClusterOptions(name=name, nodes=NODES, gpus_per_node=GPUS_PER_NODE)
+    info = cluster.up(options)
+    yield info
+    if os.environ.get("LIVESHARD_E2E_KEEP") != "1":
+        cluster.down(name)
+
+
+@pytest.fixture
+def kube(local_cluster: cluster.ClusterInfo, request: pytest.FixtureRequest) -> Iterator[Kube]:
+    """The cluster, with a fresh namespace named after the test (deleted afterwards)."""
+    stem = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    namespace = f"{stem}-{uuid.uuid4().hex[:5]}"
+    admin = Kube(local_cluster)
+    yield admin.create_namespace(namespace)
+    admin.run("kubectl", "delete", "namespace", namespace, "--wait=false", check=False)
