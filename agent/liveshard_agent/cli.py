@@ -3,6 +3,8 @@
 `liveshard plan` numbers members by their rank in the old layout; `--drop` removes some, the rest
 take the new layout's ranks from 0 in order, and added members (numbered after the old ones) are
 appended. `--replace` gives a dropped member's rank to a new member instead (a replaced pod).
+`--lost` drops members that died with their state: the plan takes every byte from surviving
+copies, or fails naming a tensor that has none.
 With neither `--drop` nor `--replace`, a smaller new layout drops the highest-ranked members.
 """
 
@@ -83,11 +85,13 @@ def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
     return out, time.perf_counter() - start
 
 
-def plan_summary(spec: ModelSpec, old: Layout, new: Layout, budget: int) -> dict[str, Any]:
+def plan_summary(
+    spec: ModelSpec, old: Layout, new: Layout, budget: int, lost: frozenset[str] = frozenset()
+) -> dict[str, Any]:
     """The figures `liveshard plan --json` prints for a whole plan."""
 
     def plan_and_hash() -> tuple[Plan, str]:
-        plan = build_plan(spec, old, new)
+        plan = build_plan(spec, old, new, lost)
         return plan, plan.digest
 
     (plan, digest), plan_seconds = _timed(plan_and_hash)
@@ -102,6 +106,7 @@ def plan_summary(spec: ModelSpec, old: Layout, new: Layout, budget: int) -> dict
         "ranks_to": new.world_size,
         "members_dropped": [m for m in old.members if m not in kept],
         "members_added": [m for m in new.members if m not in set(old.members)],
+        "members_lost": sorted(lost, key=int),
         "transfers": plan.network_transfers,
         "network_bytes": plan.network_bytes,
         "lower_bound_bytes": lower_bound_bytes(spec, old, new),
@@ -117,10 +122,12 @@ def plan_summary(spec: ModelSpec, old: Layout, new: Layout, budget: int) -> dict
     }
 
 
-def view_summary(spec: ModelSpec, old: Layout, new: Layout, member: str) -> dict[str, Any]:
+def view_summary(
+    spec: ModelSpec, old: Layout, new: Layout, member: str, lost: frozenset[str] = frozenset()
+) -> dict[str, Any]:
     """The figures and pieces `liveshard plan --rank R --json` prints for one member."""
-    view, seconds = _timed(plan_view, spec, old, new, member)
-    members = union_members(old, new)
+    view, seconds = _timed(plan_view, spec, old, new, member, lost)
+    members = union_members(old, new, lost)
 
     def entries(items: Any, peer_of: str) -> list[dict[str, Any]]:
         out = []
@@ -178,6 +185,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--drop", default="", help="comma-separated member numbers that leave")
     plan.add_argument("--add", type=int, default=None, help="number of members that join")
     plan.add_argument(
+        "--lost", default="", help="comma-separated member numbers that died with their state"
+    )
+    plan.add_argument(
         "--replace", default="", help="comma-separated member numbers whose rank a new member takes"
     )
     plan.add_argument("--budget", default="1GiB", help="per-member buffer bytes per round")
@@ -192,15 +202,17 @@ def main(argv: list[str] | None = None) -> int:
         spec = resolve_model(args.model)
         if args.add is not None and args.add < 0:
             raise ValueError(f"--add {args.add} must be >= 0")
+        lost, replace = _int_list(args.lost, "--lost"), _int_list(args.replace, "--replace")
+        gone = [n for n in lost if n not in replace]  # a lost member may also be replaced
         old, new = layouts(
-            spec, args.old, args.new, _int_list(args.drop, "--drop"), args.add,
-            _int_list(args.replace, "--replace"),
-        )  # fmt: skip
+            spec, args.old, args.new, _int_list(args.drop, "--drop") + gone, args.add, replace
+        )
+        lost_members = frozenset(str(n) for n in lost)
         budget = parse_bytes(args.budget)
         if args.rank is None:
-            summary = plan_summary(spec, old, new, budget)
+            summary = plan_summary(spec, old, new, budget, lost_members)
         else:
-            summary = view_summary(spec, old, new, str(args.rank))
+            summary = view_summary(spec, old, new, str(args.rank), lost_members)
     except ValueError as err:
         print(f"liveshard: error: {err}", file=sys.stderr)
         return 2

@@ -86,14 +86,15 @@ class ShardedState:
     def allocate(
         cls, spec: ModelSpec, layout: Layout, rank: int, device: torch.device
     ) -> ShardedState:
-        """Uninitialised storage for every box of the rank's region (a shadow to receive into)."""
+        """Zeroed storage for every box of the rank's region (a shadow to receive into); zeroing
+        touches every page, so later writes do not pay for page faults."""
         boxes: dict[TensorRef, list[tuple[Box, torch.Tensor]]] = {}
         for ref, placed in _placements(spec, layout):
             dtype = TORCH_DTYPES[spec.dtype(ref.kind)]
             held = rank_boxes(layout, placed, rank)
             if held:
                 boxes[ref] = [
-                    (b, torch.empty([hi - lo for lo, hi in b], dtype=dtype, device=device))
+                    (b, torch.zeros([hi - lo for lo, hi in b], dtype=dtype, device=device))
                     for b in held
                 ]
         return cls(spec, layout, rank, device, boxes)

@@ -80,7 +80,8 @@ class SwitchResult:
     world: World | None  # the world it trains in after the switch
     stats: TransferStats
     memory: Memory
-    seconds: dict[str, float] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)  # the pause: transfer (with local
+    # copies and the old state's checksum), checksum_new, vote
 
 
 class Reconfiguration:
@@ -97,8 +98,10 @@ class Reconfiguration:
         device: torch.device,
         budget: int,
         timeouts: Timeouts | None = None,
+        lost: frozenset[str] = frozenset(),
     ) -> None:
-        self.spec, self.old, self.new, self.member = spec, old, new, member
+        """`lost` names old members that died with their state: the plan uses surviving copies."""
+        self.spec, self.old, self.new, self.member, self.lost = spec, old, new, member, lost
         self.store, self.epoch, self.device, self.budget = store, epoch, device, budget
         self.timeouts = timeouts or Timeouts()
         self.seconds: dict[str, float] = {}
@@ -106,6 +109,7 @@ class Reconfiguration:
         self.schedule: Schedule | None = None
         self.union: Group | None = None
         self.world: World | None = None
+        self.shadow: ShardedState | None = None  # allocated and touched in prepare
 
     def prepare_in_background(self) -> Future[None]:
         """Run `prepare` in a thread of its own; the caller keeps training and later waits."""
@@ -118,7 +122,7 @@ class Reconfiguration:
         # A store client is not safe to share between threads: prepare uses a clone of its own.
         self.store = self.store.clone()
         start = time.perf_counter()
-        self.plan = build_plan(self.spec, self.old, self.new)
+        self.plan = build_plan(self.spec, self.old, self.new, self.lost)
         self.schedule = build_schedule(self.plan, self.budget)
         self.seconds["plan"] = time.perf_counter() - start
         if self.member not in self.plan.members:
@@ -134,6 +138,12 @@ class Reconfiguration:
                 self.store, self.epoch, self.new, self.member, self.device, self.timeouts.op
             )
         self.seconds["groups"] = time.perf_counter() - start
+        # The new state's storage, first-touched here so that the pause does not pay for it.
+        start = time.perf_counter()
+        if self.member in self.new.members:
+            rank = self.new.members.index(self.member)
+            self.shadow = ShardedState.allocate(self.spec, self.new, rank, self.device)
+        self.seconds["shadow"] = time.perf_counter() - start
 
     def _agree_on_digest(self, plan: Plan) -> None:
         """Publish this member's plan digest and compare it with every other member's."""
@@ -164,48 +174,52 @@ class Reconfiguration:
         assert self.plan is not None and self.schedule is not None and self.union is not None
         deadline = time.monotonic() + self.timeouts.switch
         me = self.plan.members.index(self.member)
+        shadow, self.shadow = self.shadow, None
         memory = Memory(self.budget, old=old_state.nbytes if old_state else 0)
+        memory.shadow = shadow.nbytes if shadow is not None else 0
         zeros = torch.zeros((len(self.spec.params) * 4, 3), dtype=torch.int64, device=self.device)
-        start = time.perf_counter()
-        old_sums = old_state.checksums() if old_state is not None else zeros
-        self.seconds["checksum_old"] = time.perf_counter() - start
+        sums = {"old": zeros, "new": zeros}
 
-        shadow = None
-        if self.member in self.new.members:
-            shadow = ShardedState.allocate(
-                self.spec, self.new, self.new.members.index(self.member), self.device
-            )
-            memory.shadow = shadow.nbytes
+        def checksum_old() -> None:  # reads the old state only: runs while round 0 is in flight
+            if old_state is not None:
+                sums["old"] = old_state.checksums()
+
+        seconds: dict[str, float] = {}
         failure, stats = "", TransferStats()
         start = time.perf_counter()
         try:
             stats = run_schedule(
                 self.schedule, me, old_state, shadow, self.union, deadline, self.epoch, memory,
-                on_round=_injector(fault),
+                overlap=checksum_old, on_round=_injector(fault),
             )  # fmt: skip
         except TransferError as err:
             failure = str(err)
-        self.seconds["transfer"] = time.perf_counter() - start
+        seconds["transfer"] = time.perf_counter() - start
         start = time.perf_counter()
-        new_sums = shadow.checksums() if shadow is not None and not failure else zeros
-        self.seconds["checksum_new"] = time.perf_counter() - start
+        if shadow is not None and not failure:
+            sums["new"] = shadow.checksums()
+        seconds["checksum_new"] = time.perf_counter() - start
         if fault is not None and fault.kind is FaultKind.VOTE_NO:
             failure = failure or f"epoch {self.epoch}: {self.member} voted no (injected fault)"
 
         start = time.perf_counter()
-        committed, reason = self._vote(failure, old_sums, new_sums, deadline)
-        self.seconds["vote"] = time.perf_counter() - start
+        committed, reason = self._vote(failure, sums["old"], sums["new"], deadline)
+        seconds["vote"] = time.perf_counter() - start
+        if not committed:
+            # Operations a failure left pending would each hold the group's teardown for a
+            # whole timeout; aborting ends them (and tells peers still waiting) at once.
+            self.union.abort()
         self.union = None  # the union group is done either way; dropping it closes it
         if committed:
             if old_state is not None:
                 old_state.boxes.clear()
             log.info("epoch %s: %s committed", self.epoch, self.member)
-            return SwitchResult(True, reason, shadow, self.world, stats, memory, self.seconds)
+            return SwitchResult(True, reason, shadow, self.world, stats, memory, seconds)
         if shadow is not None:
             shadow.boxes.clear()
         log.warning("epoch %s: %s aborted: %s", self.epoch, self.member, reason)
         self.world = None
-        return SwitchResult(False, reason, old_state, None, stats, memory, self.seconds)
+        return SwitchResult(False, reason, old_state, None, stats, memory, seconds)
 
     def _vote(
         self, failure: str, old_sums: torch.Tensor, new_sums: torch.Tensor, deadline: float

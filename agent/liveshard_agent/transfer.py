@@ -66,16 +66,20 @@ def run_schedule(
     deadline: float,
     epoch: int,
     memory: Memory,
+    overlap: Callable[[], object] | None = None,
     on_round: Callable[[int], None] | None = None,
 ) -> TransferStats:
-    """Execute member `me`'s (a union index) local copies and rounds; raise TransferError."""
-    plan = schedule.plan
+    """Execute member `me`'s (a union index) rounds and local copies; raise TransferError.
+
+    The local copies, and `overlap` (work that reads the old state), run while the first round's
+    operations are in flight.
+    """
     stats = TransferStats()
-    if old is not None and shadow is not None:
-        for ref, t in plan.local_copies(me):
-            target = shadow.view(ref, t.box)
-            target.copy_(old.view(ref, t.box))
-            stats.local_bytes += _nbytes(target)
+    pending_local: list[Callable[[], object]] = [
+        lambda: _copy_local(schedule, me, old, shadow, stats)
+    ]
+    if overlap is not None:
+        pending_local.append(overlap)
     holder = old if old is not None else shadow
     assert holder is not None, "every union member has an old or a new state"
     device = holder.device
@@ -113,13 +117,32 @@ def run_schedule(
                 stats.received_bytes += _nbytes(buf)
         if coalesce:
             works = [(group._end_coalescing(device), None)]
+        while pending_local:
+            pending_local.pop(0)()
         for work, waited_peer in works:
             _wait(work, deadline, epoch, schedule, waited_peer)
         for finish in finishes:
             finish()
         memory.staging = 0
         stats.rounds += 1
+    for work in pending_local:  # no round had operations of this member
+        work()
     return stats
+
+
+def _copy_local(
+    schedule: Schedule,
+    me: int,
+    old: ShardedState | None,
+    shadow: ShardedState | None,
+    stats: TransferStats,
+) -> None:
+    if old is None or shadow is None:
+        return
+    for ref, t in schedule.plan.local_copies(me):
+        target = shadow.view(ref, t.box)
+        target.copy_(old.view(ref, t.box))
+        stats.local_bytes += _nbytes(target)
 
 
 def _post(

@@ -177,9 +177,14 @@ def new_region_bytes(spec: ModelSpec, layout: Layout) -> int:
     )
 
 
-def check_plan(spec: ModelSpec, old: Layout, new: Layout, plan: Plan) -> None:
-    """Exact cover, validity, minimality and the byte figures of `plan`, by brute force."""
-    union = old.members + tuple(m for m in new.members if m not in old.members)
+def check_plan(
+    spec: ModelSpec, old: Layout, new: Layout, plan: Plan, lost: frozenset[str] = frozenset()
+) -> None:
+    """Exact cover, validity, minimality and the byte figures of `plan`, by brute force; `lost`
+    members must take no part."""
+    union = tuple(m for m in old.members if m not in lost) + tuple(
+        m for m in new.members if m not in old.members
+    )
     assert plan.members == union
     old_rank = {m: r for r, m in enumerate(old.members)}
     received: dict[tuple[int, TensorRef], list[Box]] = defaultdict(list)

@@ -16,6 +16,7 @@ from liveshard_agent.plan.plan import build_plan
 from liveshard_agent.vps.presets import preset
 
 TINY = preset("tiny")
+TINY_STATE_BYTES = TINY.state_bytes
 KEYS = {
     "ranks_from", "ranks_to", "transfers", "network_bytes", "lower_bound_bytes", "local_bytes",
     "max_rank_send_bytes", "max_rank_recv_bytes", "rounds", "plan_seconds", "plan_hash",
@@ -220,3 +221,18 @@ def test_console_script() -> None:
     assert bad.returncode == 2
     assert bad.stderr.startswith("liveshard: error: ")
     assert bad.stdout == ""
+
+
+def test_lost_member_replaced_in_place(capsys: pytest.CaptureFixture[str]) -> None:
+    s = run_json(capsys, "--model", "tiny", "--from", "dp=4", "--to", "dp=4", "--lost", "2",
+                 "--replace", "2")  # fmt: skip
+    assert (s["members_lost"], s["members_dropped"], s["members_added"]) == (["2"], ["2"], ["4"])
+    # The fresh member needs a whole replica: 14 bytes per parameter, from the survivors.
+    assert s["network_bytes"] == s["lower_bound_bytes"] == TINY_STATE_BYTES
+
+
+def test_lost_shard_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["plan", "--model", "tiny", "--from", "dp=4,zero=1", "--to", "dp=3,zero=1",
+                 "--lost", "2"])  # fmt: skip
+    assert code == 2
+    assert "no surviving copy" in capsys.readouterr().err

@@ -30,6 +30,14 @@ class Transfer(NamedTuple):
 Partition = list[tuple[Box, tuple[int, ...]]]
 
 
+class LostPiece(Exception):
+    """A needed piece whose every holder is lost."""
+
+    def __init__(self, box: Box) -> None:
+        super().__init__(box)
+        self.box = box
+
+
 class _Grid:
     """Finds which boxes of a partition overlap a query box, one dimension at a time."""
 
@@ -98,6 +106,8 @@ class Matching:
                     out.append(Transfer(member, member, piece))
                 else:
                     pending[member].append(piece)
+        if pending and not holders:
+            raise LostPiece(box)
         # Round-robin over holders, offset by the box's ordinal so no holder is always first.
         for i, member in enumerate(sorted(pending)):
             src = holders[(j + i) % len(holders)]

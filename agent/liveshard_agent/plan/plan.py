@@ -23,7 +23,7 @@ from ..layout.layout import Layout
 from ..layout.region import Placed, owner_of, partition, place, rank_boxes, stages_of
 from ..vps.box import Box, intersect, volume
 from ..vps.spec import ModelSpec, StateKind, TensorRef
-from .matching import Matching, Partition, Transfer
+from .matching import LostPiece, Matching, Partition, Transfer
 
 PLANNER_VERSION = 1
 
@@ -84,10 +84,22 @@ class PlanGroup:
         return self.tensors.itemsize
 
 
-def union_members(old: Layout, new: Layout) -> tuple[str, ...]:
-    """Old members in old rank order, then the members only the new layout has."""
+def union_members(old: Layout, new: Layout, lost: frozenset[str] = frozenset()) -> tuple[str, ...]:
+    """Old members in old rank order, then the members only the new layout has; members that
+    are `lost` (died with their state) take no part."""
     present = set(old.members)
-    return old.members + tuple(m for m in new.members if m not in present)
+    return tuple(m for m in old.members if m not in lost) + tuple(
+        m for m in new.members if m not in present
+    )
+
+
+def _check_lost(old: Layout, new: Layout, lost: frozenset[str]) -> None:
+    unknown = sorted(lost - set(old.members))
+    if unknown:
+        raise ValueError(f"lost members {unknown} are not members of the old layout")
+    back = sorted(lost & set(new.members))
+    if back:
+        raise ValueError(f"lost members {back} cannot be members of the new layout")
 
 
 @dataclass(frozen=True)
@@ -156,13 +168,23 @@ class _Partitions:
         self.old_layout, self.new_layout = old, new
         position = {m: i for i, m in enumerate(union)}
         self.new_to_union = [position[m] for m in new.members]
+        # Old ranks are union indices unless members were lost; then lost holders drop out.
+        self.old_to_union = [position.get(m) for m in old.members]
+        self.identity = old.members == union[: old.world_size]
         self._old: dict[Placed, Partition] = {}
         self._new: dict[Placed, Partition] = {}
         self._matchings: dict[tuple[Placed, Placed], Matching] = {}
 
     def old(self, placed: Placed) -> Partition:
         if placed not in self._old:
-            self._old[placed] = partition(self.old_layout, placed)
+            boxes = partition(self.old_layout, placed)
+            if not self.identity:
+                to_union = self.old_to_union
+                boxes = [
+                    (box, tuple(u for u in (to_union[r] for r in ranks) if u is not None))
+                    for box, ranks in boxes
+                ]
+            self._old[placed] = boxes
         return self._old[placed]
 
     def new(self, placed: Placed) -> Partition:
@@ -189,6 +211,7 @@ class Plan:
     members: tuple[str, ...]  # the union
     patterns: tuple[Pattern, ...]
     groups: tuple[PlanGroup, ...] = field(repr=False)
+    lost: frozenset[str] = frozenset()
 
     def items(self) -> list[tuple[TensorRef, int, Transfer]]:
         """Every (tensor, itemsize, piece) of the plan, expanded; for tests on small models."""
@@ -246,7 +269,7 @@ class Plan:
         h.update(
             repr(
                 (PLANNER_VERSION, self.spec.digest, self.old.describe(), self.new.describe(),
-                 self.members, self.old.members, self.new.members)
+                 self.members, self.old.members, self.new.members, sorted(self.lost))
             ).encode()
         )  # fmt: skip
         encoded = [repr(p.transfers).encode() for p in self.patterns]
@@ -258,11 +281,18 @@ class Plan:
         return h.hexdigest()
 
 
-def build_plan(spec: ModelSpec, old: Layout, new: Layout) -> Plan:
-    """The full plan from `old` to `new`; both layouts must be feasible for `spec`."""
+def build_plan(
+    spec: ModelSpec, old: Layout, new: Layout, lost: frozenset[str] = frozenset()
+) -> Plan:
+    """The full plan from `old` to `new`; both layouts must be feasible for `spec`.
+
+    `lost` members died with their state: the plan takes every byte from surviving copies, and
+    raises ValueError naming a tensor that has none.
+    """
     old.check(spec)
     new.check(spec)
-    members = union_members(old, new)
+    _check_lost(old, new, lost)
+    members = union_members(old, new, lost)
     parts = _Partitions(old, new, members)
     pattern_index: dict[tuple[Placed, Placed], int] = {}
     patterns: list[Pattern] = []
@@ -271,9 +301,18 @@ def build_plan(spec: ModelSpec, old: Layout, new: Layout) -> Plan:
         key = (cls.old, cls.new)
         if key not in pattern_index:
             pattern_index[key] = len(patterns)
-            patterns.append(Pattern(parts.matching(cls.old, cls.new).transfers()))
+            try:
+                transfers = parts.matching(cls.old, cls.new).transfers()
+            except LostPiece as err:
+                name = spec.tensor_name(cls.tensor(0))
+                raise ValueError(
+                    f"no surviving copy of {name} {list(err.box)} (and of every tensor placed "
+                    f"like it): every member that held it is lost ({sorted(lost)}); "
+                    "restore from a checkpoint"
+                ) from None
+            patterns.append(Pattern(transfers))
         groups.append(PlanGroup(pattern_index[key], cls))
-    return Plan(spec, old, new, members, tuple(patterns), tuple(groups))
+    return Plan(spec, old, new, members, tuple(patterns), tuple(groups), lost)
 
 
 @dataclass(frozen=True)
@@ -287,13 +326,16 @@ class PlanView:
     recvs: tuple[tuple[TensorRef, Transfer], ...]
 
 
-def plan_view(spec: ModelSpec, old: Layout, new: Layout, member: str) -> PlanView:
+def plan_view(
+    spec: ModelSpec, old: Layout, new: Layout, member: str, lost: frozenset[str] = frozenset()
+) -> PlanView:
     """`member`'s part of the plan, computed from the classes it takes part in only."""
     old.check(spec)
     new.check(spec)
-    members = union_members(old, new)
+    _check_lost(old, new, lost)
+    members = union_members(old, new, lost)
     if member not in members:
-        raise ValueError(f"member {member!r} is in neither the old nor the new layout")
+        raise ValueError(f"member {member!r} is a live member of neither layout")
     index = members.index(member)
     old_rank = old.members.index(member) if member in old.members else None
     new_rank = new.members.index(member) if member in new.members else None

@@ -38,7 +38,8 @@ def run_switch(
 ) -> dict[str, Any]:
     """Run one switch on the workers serving the union's members (worker i serves `m{i}`), with
     the store hosted by worker 0; returns each member's result by member name."""
-    members = sorted(set(old[1]) | set(new[1]), key=lambda m: int(m[1:]))
+    lost = set(kwargs.get("lost", ()))
+    members = sorted((set(old[1]) | set(new[1])) - lost, key=lambda m: int(m[1:]))
     port = pool.run({0: ("host_store", {})})[0]
     epoch = next(_epochs)
     tasks = {

@@ -70,8 +70,9 @@ def test_vote_no_aborts_everywhere_then_next_switch_commits(pool: Pool) -> None:
     assert all(r["committed"] and not r["wrong_boxes"] for r in retried.values())
 
 
-def test_killed_peer_aborts_survivors_within_deadline(pool: Pool) -> None:
-    old, new = ("dp=4,zero=1", names(4)), ("tp=2,dp=2,zero=1", names(4))
+def test_killed_peer_aborts_survivors_then_they_recover_without_it(pool: Pool) -> None:
+    # m3 leaves and m4 joins, so there is network traffic (rounds) for m2 to die in.
+    old, new = ("dp=4", names(4)), ("tp=2,dp=2,zero=1", ["m0", "m1", "m2", "m4"])
     deadline = 6.0
     results = run_switch(pool, "tiny", old, new, faults={"m2": ("exit", 0, 0)},
                          budget=16 << 10, timeouts=(5, deadline, 30))  # fmt: skip
@@ -81,6 +82,11 @@ def test_killed_peer_aborts_survivors_within_deadline(pool: Pool) -> None:
     assert any("m2" in r["reason"] for r in survivors.values()), survivors
     for r in survivors.values():
         assert r["seconds"] < deadline + 5, r
+    # Right after, the survivors switch to a layout without m2, from the copies they hold.
+    recovery = run_switch(pool, "tiny", old, ("dp=3,zero=1", ["m0", "m1", "m3"]), lost=["m2"],
+                          keep=True)  # fmt: skip
+    assert set(recovery) == {"m0", "m1", "m3"}
+    assert all(r["committed"] and not r["wrong_boxes"] for r in recovery.values()), recovery
 
 
 def test_stalled_peer_aborts_at_the_deadline(pool: Pool) -> None:

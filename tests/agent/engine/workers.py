@@ -133,6 +133,7 @@ def switch(
     timeouts: tuple[float, float, float] = (10, 20, 30),
     keep: bool = False,
     train: bool = False,
+    lost: list[str] = (),  # type: ignore[assignment]
 ) -> dict[str, Any]:
     """One member's side of a switch from `old` to `new` (degrees text, members), starting from
     the seeded state (or the state kept from the previous task with `keep`)."""
@@ -156,8 +157,9 @@ def switch(
             state = ShardedState.seeded(spec, old_layout, rank, seed, cpu)
     before = state.checksums().tolist() if state is not None else None
     reconfig = Reconfiguration(
-        spec, old_layout, new_layout, member, store, epoch, cpu, budget, Timeouts(*timeouts)
-    )
+        spec, old_layout, new_layout, member, store, epoch, cpu, budget, Timeouts(*timeouts),
+        frozenset(lost),
+    )  # fmt: skip
     old_world = None
     if train and member in old_layout.members:
         old_world = World.build(store, epoch + 10_000, old_layout, member, cpu, timeout=20)
@@ -189,6 +191,7 @@ def switch(
         "rounds": result.stats.rounds,
         "sent": result.stats.sent_bytes,
         "steps_while_preparing": steps,
+        "phases": {k: round(v, 3) for k, v in result.seconds.items()},
         "received": result.stats.received_bytes,
     }
 

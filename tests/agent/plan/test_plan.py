@@ -295,3 +295,50 @@ def test_lower_bound_matches_brute_force(data: st.DataObject) -> None:
     assert lower_bound_bytes(case.spec, case.old, case.new) == brute_lower_bound(
         case.spec, case.old, case.new
     )
+
+
+# --- lost members: recovery from surviving copies -------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases(), st.data())
+def test_lost_members_plans_use_surviving_copies_or_fail_clearly(case: Case, data: Any) -> None:
+    candidates = [m for m in case.old.members if m not in case.new.members]
+    lost = (
+        frozenset(data.draw(st.lists(st.sampled_from(candidates), unique=True)))
+        if candidates
+        else frozenset()
+    )
+    try:
+        plan = build_plan(case.spec, case.old, case.new, lost)
+    except ValueError as err:
+        assert lost and "no surviving copy" in str(err)
+        return
+    check_plan(case.spec, case.old, case.new, plan, lost)
+    assert not lost & set(plan.members)
+
+
+def test_lost_member_with_replicas_is_recovered() -> None:
+    old = Layout.create(TINY, names("m", 4), dp=4)  # zero=0: every member holds everything
+    new = Layout.create(TINY, ["m0", "m1", "m3"], dp=3)
+    lost = frozenset({"m2"})
+    plan = build_plan(TINY, old, new, lost)
+    check_plan(TINY, old, new, plan, lost)
+    assert plan.members == ("m0", "m1", "m3")
+    assert plan.network_bytes == 0  # the survivors already hold all they need
+    assert plan.digest != build_plan(TINY, old, new).digest
+
+
+def test_lost_shard_without_copy_names_the_tensor() -> None:
+    old = Layout.create(TINY, names("m", 4), dp=4, zero=1)  # fp32 state sharded, no copies
+    new = Layout.create(TINY, ["m0", "m1", "m3"], dp=3, zero=1)
+    with pytest.raises(ValueError, match=r"no surviving copy of embed:master .*\['m2'\]"):
+        build_plan(TINY, old, new, frozenset({"m2"}))
+
+
+def test_lost_members_must_be_old_and_not_new() -> None:
+    old = Layout.create(TINY, names("m", 2), dp=2)
+    with pytest.raises(ValueError, match=r"lost members \['x'\] are not members of the old"):
+        build_plan(TINY, old, old, frozenset({"x"}))
+    with pytest.raises(ValueError, match=r"lost members \['m1'\] cannot be members of the new"):
+        build_plan(TINY, old, old, frozenset({"m1"}))
