@@ -51,25 +51,28 @@ def seeded_box(
     return values.to(TORCH_DTYPES[spec.dtype(ref.kind)])
 
 
-CHECKSUM_MASK = 0xFFFFFFFF  # checksums are compared modulo 2**32
+def checksum_mask(element_size: int) -> int:
+    """Checksums of a dtype are compared modulo 2**(8 * element size): sums accumulate, wrapping,
+    in the integer type of the element's own width, which keeps them at memory speed."""
+    return (1 << (8 * element_size)) - 1
 
 
 def box_checksum(tensor: torch.Tensor, box: Box) -> torch.Tensor:
-    """(sum, row-weighted sum, column-weighted sum) of the tensor's bit patterns modulo 2**32.
-
-    Additive over disjoint boxes (modulo 2**32), and sensitive to values moved to another row or
-    column. Sums accumulate in int32, wrapping, which keeps them at memory speed.
-    """
-    bits = tensor.contiguous().view(_BITS[tensor.element_size()])
+    """(sum, row-weighted sum, column-weighted sum) of the tensor's bit patterns, modulo
+    `checksum_mask`. Additive over disjoint boxes (modulo the same), and sensitive to values
+    changed or moved to another row or column."""
+    bits_type = _BITS[tensor.element_size()]
+    bits = tensor.contiguous().view(bits_type)
     rows = bits.reshape(bits.shape[0], -1) if bits.dim() else bits.reshape(1, 1)
-    row_sums = rows.sum(1, dtype=torch.int32).to(torch.int64)
+    row_sums = rows.sum(1, dtype=bits_type).to(torch.int64)
     row_ids = torch.arange(box[0][0] + 1, box[0][1] + 1, device=bits.device)
     col_term = torch.zeros((), dtype=torch.int64, device=bits.device)
     if bits.dim() >= 2:
-        cols = bits.reshape(bits.shape[0], bits.shape[1], -1).sum((0, 2), dtype=torch.int32)
+        cols = bits.reshape(bits.shape[0], bits.shape[1], -1).sum((0, 2), dtype=bits_type)
         col_ids = torch.arange(box[1][0] + 1, box[1][1] + 1, device=bits.device)
         col_term = (cols.to(torch.int64) * col_ids).sum()
-    return torch.stack([row_sums.sum(), (row_sums * row_ids).sum(), col_term]) & CHECKSUM_MASK
+    sums = torch.stack([row_sums.sum(), (row_sums * row_ids).sum(), col_term])
+    return sums & checksum_mask(tensor.element_size())
 
 
 @dataclass

@@ -32,7 +32,7 @@ from torch._C._distributed_c10d import AllreduceOptions, ReduceOp, Store
 from .layout.layout import Layout
 from .plan.plan import Plan, build_plan
 from .plan.schedule import Schedule, build_schedule
-from .state import CHECKSUM_MASK, ShardedState
+from .state import ShardedState, checksum_mask
 from .transfer import Memory, TransferError, TransferStats, run_schedule
 from .vps.spec import ModelSpec
 from .world import Group, World, union_group
@@ -245,11 +245,18 @@ class Reconfiguration:
             return False, f"epoch {self.epoch}: {failed} member(s) voted no{detail}"
         n = old_sums.numel()
         old, new = vote[1 : 1 + n].view(-1, 3), vote[1 + n :].view(-1, 3)
-        bad = ((old - new) & CHECKSUM_MASK != 0).any(dim=1).nonzero().flatten().tolist()
+        masks = _checksum_masks(self.spec, self.device)
+        bad = ((old - new) & masks != 0).any(dim=1).nonzero().flatten().tolist()
         if bad:
             names = [self.spec.tensor_name(self.spec.tensors()[i]) for i in bad[:5]]
             return False, f"epoch {self.epoch}: checksums differ after the transfer for {names}"
         return True, f"epoch {self.epoch}: committed"
+
+
+def _checksum_masks(spec: ModelSpec, device: torch.device) -> torch.Tensor:
+    """Per logical tensor (canonical order), the modulus its checksums are compared in."""
+    masks = [checksum_mask(spec.dtype(ref.kind).itemsize) for ref in spec.tensors()]
+    return torch.tensor(masks, dtype=torch.int64, device=device).unsqueeze(1)
 
 
 def _injector(fault: Fault | None):  # type: ignore[no-untyped-def]

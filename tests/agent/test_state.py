@@ -8,9 +8,9 @@ torch = pytest.importorskip("torch", reason="sharded state needs torch (the agen
 
 from liveshard_agent.layout.layout import Layout  # noqa: E402
 from liveshard_agent.state import (  # noqa: E402
-    CHECKSUM_MASK,
     ShardedState,
     box_checksum,
+    checksum_mask,
     seeded_box,
     state_bytes_of,
 )
@@ -37,7 +37,8 @@ def total_checksums(spec: ModelSpec, layout: Layout, seed: int = 3) -> torch.Ten
         for r in range(layout.world_size)
     )
     assert isinstance(total, torch.Tensor)
-    return total & CHECKSUM_MASK
+    masks = [checksum_mask(spec.dtype(ref.kind).itemsize) for ref in spec.tensors()]
+    return total & torch.tensor(masks).unsqueeze(1)
 
 
 def test_seeded_box_depends_only_on_the_global_index() -> None:
