@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from collections.abc import Callable
@@ -117,6 +118,7 @@ def main() -> None:
         results.append(result)
         print(json.dumps(result), flush=True)
     if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
 

@@ -704,6 +704,7 @@ def main() -> None:
     finally:
         pool.close()
     if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
 

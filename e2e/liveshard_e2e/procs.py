@@ -65,18 +65,17 @@ def is_alive(record: ProcessRecord) -> bool:
     return process_start_time(record.pid) == record.start_time
 
 
-def start(
-    name: str,
+def spawn(
     argv: list[str],
     log_file: Path,
     *,
     env: dict[str, str] | None = None,
-    cwd: Path | None = None,
-) -> tuple[subprocess.Popen[bytes], ProcessRecord]:
+    cwd: Path | str | None = None,
+) -> subprocess.Popen[bytes]:
     """Starts ``argv`` leading a new session; stdout and stderr are appended to ``log_file``."""
     log_file.parent.mkdir(parents=True, exist_ok=True)
     with open(log_file, "ab") as out:
-        proc = subprocess.Popen(
+        return subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
             stdout=out,
@@ -85,6 +84,18 @@ def start(
             cwd=cwd,
             start_new_session=True,
         )
+
+
+def start(
+    name: str,
+    argv: list[str],
+    log_file: Path,
+    *,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+) -> tuple[subprocess.Popen[bytes], ProcessRecord]:
+    """`spawn` a long-running process and record it; fails if it exits at once."""
+    proc = spawn(argv, log_file, env=env, cwd=cwd)
     start_time = process_start_time(proc.pid)
     if start_time is None:
         proc.wait()

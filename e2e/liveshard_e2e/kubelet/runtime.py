@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from liveshard_e2e.kubelet.probes import ProbeState
-from liveshard_e2e.procs import process_start_time
+from liveshard_e2e.procs import process_start_time, spawn
 
 log = logging.getLogger(__name__)
 
@@ -68,16 +68,7 @@ class Container:
         cwd = self.spec.get("workingDir") or None
         if not cwd or not Path(cwd).is_dir():
             cwd = str(self.log_path.parent)
-        with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=cwd,
-                start_new_session=True,
-            )
+        self.proc = spawn(argv, self.log_path, env=env, cwd=cwd)
         # Record the group so `liveshard-cluster down` can end it even if the kubelet died.
         self._pids_dir.mkdir(parents=True, exist_ok=True)
         start_time = process_start_time(self.proc.pid)
