@@ -9,9 +9,11 @@ measures, in the same run and on the same processes:
 - the live switch (`Reconfiguration`): `prepare` (plan, schedule, digest agreement, groups; in
   the background in a real job, so not part of the pause), then `switch`, the whole pause, whose
   wall time is taken as the maximum over ranks after a barrier. `transfer_seconds` is the
-  `transfer` part (local copies plus every round of sends and receives into freshly allocated
-  shadow buffers); the rest of the pause is the two checksums and the vote (whose time is mostly
-  waiting for the slowest member). `local_copy_seconds` times the plan's local copies alone, on
+  `transfer` part (every round of sends and receives into the shadow buffers that prepare
+  allocated, with the local copies and the old state's checksum overlapping the first round);
+  the rest of the pause is the new state's checksum and the vote (whose time is mostly waiting
+  for the slowest member). `unverified_*` repeat the switch with `verify=False` (no
+  checksums). `local_copy_seconds` times the plan's local copies alone, on
   the side, into a fresh scratch state. Each switch must commit, send exactly the plan's network
   bytes, and leave every new rank's state equal to the seeded expectation, or the run fails.
 - the raw transport limit: for every (src, dst) pair of the plan, one contiguous uint8 buffer of
@@ -30,7 +32,7 @@ measures, in the same run and on the same processes:
   checkpoint goes to a temporary directory on /dev/shm when it has room (else the system temp
   dir) and is deleted afterwards: memory-speed storage and a bare process spawn (no container,
   scheduler or CUDA start) make this the comparator's best case. DCP's object collectives call
-  `Tensor.numpy()`, so this benchmark needs numpy, which the project does not depend on.
+  `Tensor.numpy()`, so this benchmark needs numpy (in the `agent` extra).
 
 Switch and checkpoint/restart are repeated (`--repeat`, default 2; 1 with --quick), each time
 from a freshly seeded old state, and the best of each is reported.
@@ -317,7 +319,9 @@ def setup(index: int, size: int, port: int) -> int:
     return os.getpid()
 
 
-def prepare(config: dict[str, Any], transition: Transition, epoch: int, budget: int) -> Any:
+def prepare(
+    config: dict[str, Any], transition: Transition, epoch: int, budget: int, verify: bool
+) -> Any:
     """Seed this worker's old state, time the plan's local copies into a scratch state (to split
     the switch's transfer time), and prepare its side of the switch (if it takes part)."""
     spec = ModelSpec.from_config(TransformerConfig(**config))
@@ -330,7 +334,7 @@ def prepare(config: dict[str, Any], transition: Transition, epoch: int, budget: 
     if member not in old.members and member not in new.members:
         return None
     reconfig = Reconfiguration(
-        spec, old, new, member, CONTEXT["store"], epoch, CPU, budget, TIMEOUTS
+        spec, old, new, member, CONTEXT["store"], epoch, CPU, budget, TIMEOUTS, verify=verify
     )
     start = time.perf_counter()
     reconfig.prepare_in_background().result()
@@ -552,23 +556,17 @@ def run_once(
     plan: Plan,
     epoch: int,
     budget: int,
+    verify: bool = True,
 ) -> dict[str, Any]:
-    """One repetition from the seeded old state: DCP save, restart and load, then the switch."""
+    """One repetition from the seeded old state: with `verify`, DCP save, restart and load, then
+    the switch; without, the switch alone, its checksums skipped."""
     config_dict = asdict(config)
     prepared = [p for p in pool.all("prepare", config=config_dict, transition=transition,
-                                    epoch=epoch, budget=budget) if p]  # fmt: skip
-    # Checkpoint/restart first, from the same seeded old state the switch then starts from.
-    root = _checkpoint_root()
-    directory = tempfile.mkdtemp(prefix="liveshard-reshard-", dir=root)
-    try:
-        saves = pool.all("dcp_save", directory=directory, epoch=epoch)
-        save_seconds = max(s for s in saves if s is not None)
-        size = sum(
-            os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(directory) for f in fs
-        )
-        restart = restart_and_load(config_dict, transition, store, epoch, directory)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+                                    epoch=epoch, budget=budget, verify=verify) if p]  # fmt: skip
+    checkpoint: dict[str, Any] = {}
+    if verify:
+        # Checkpoint/restart first, from the same seeded old state the switch then starts from.
+        checkpoint = checkpoint_restart(pool, store, config_dict, transition, epoch)
 
     switched = [s for s in pool.all("switch") if s]
     pool.all("release")
@@ -592,6 +590,26 @@ def run_once(
         "peak_extra": max(s["memory"]["shadow"] + s["memory"]["peak_staging"] for s in switched),
         "peak_staging": max(s["memory"]["peak_staging"] for s in switched),
         "rss_peak_extra": max(rss) if rss else None,
+        **checkpoint,
+    }
+
+
+def checkpoint_restart(
+    pool: Pool, store: TCPStore, config: dict[str, Any], transition: Transition, epoch: int
+) -> dict[str, Any]:
+    """DCP save from the old processes, then fresh processes that load the new layout."""
+    root = _checkpoint_root()
+    directory = tempfile.mkdtemp(prefix="liveshard-reshard-", dir=root)
+    try:
+        saves = pool.all("dcp_save", directory=directory, epoch=epoch)
+        save_seconds = max(s for s in saves if s is not None)
+        size = sum(
+            os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(directory) for f in fs
+        )
+        restart = restart_and_load(config, transition, store, epoch, directory)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    return {
         "checkpoint": {"save": save_seconds, **restart},
         "checkpoint_total": save_seconds + restart["restart"] + restart["load"],
         "checkpoint_bytes": size,
@@ -614,6 +632,11 @@ def measure(
     plan = build_plan(spec, old, new)
     runs = [run_once(pool, store, config, transition, plan, next(epochs), budget)
             for _ in range(repeat)]  # fmt: skip
+    unverified = min(
+        (run_once(pool, store, config, transition, plan, next(epochs), budget, verify=False)
+         for _ in range(repeat)),
+        key=lambda r: r["switch"],
+    )  # fmt: skip
     best = min(runs, key=lambda r: r["switch"])
     ckpt = min(runs, key=lambda r: r["checkpoint_total"])
     pairs = [
@@ -663,6 +686,11 @@ def measure(
             "fraction_of_raw>=0.8": raw / transfer >= 0.8,
             "speedup>=20": ckpt["checkpoint_total"] / switch_seconds >= 20,
         },
+        # The same switch with verify=False: no checksums, the vote carries failures only.
+        "unverified_switch_seconds": round(unverified["switch"], 4),
+        "unverified_transfer_seconds": round(unverified["parts"]["transfer"], 4),
+        "unverified_fraction_of_raw": round(raw / unverified["parts"]["transfer"], 3),
+        "unverified_speedup": round(ckpt["checkpoint_total"] / unverified["switch"], 2),
         "peak_extra_bytes": best["peak_extra"],
         "peak_staging_bytes": best["peak_staging"],
         "rss_peak_extra_bytes": best["rss_peak_extra"],

@@ -221,21 +221,17 @@ class PodWorker:
         now = time.monotonic()
         if not c.running:
             return
-        if not c.startup.ok:
-            if c.startup.due(now) and c.startup.probe is not None:
-                c.startup.record(run_probe(c.startup.probe, c.spec, self.pod_ip, c.env), now)
-                if c.startup.failed:
-                    log.info("pod %s: container %s failed its startup probe", self.key, c.name)
-                    c.signal(signal.SIGKILL)
-            return
-        if c.liveness.due(now) and c.liveness.probe is not None:
-            c.liveness.record(run_probe(c.liveness.probe, c.spec, self.pod_ip, c.env), now)
-            if c.liveness.failed:
-                log.info("pod %s: container %s failed its liveness probe", self.key, c.name)
+        # Liveness and readiness wait until the startup probe has succeeded.
+        checks = [("startup", c.startup)] if not c.startup.ok else []
+        checks = checks or [("liveness", c.liveness), ("readiness", c.readiness)]
+        for kind, tracker in checks:
+            if not tracker.due(now) or tracker.probe is None:
+                continue
+            tracker.record(run_probe(tracker.probe, c.spec, self.pod_ip, c.env), now)
+            if tracker.failed and kind != "readiness":
+                log.info("pod %s: container %s failed its %s probe", self.key, c.name, kind)
                 c.signal(signal.SIGKILL)
                 return
-        if c.readiness.due(now) and c.readiness.probe is not None:
-            c.readiness.record(run_probe(c.readiness.probe, c.spec, self.pod_ip, c.env), now)
 
     def _step(self, c: Container, env_base: dict[str, str]) -> None:
         self._probe(c)

@@ -144,3 +144,9 @@ def test_new_world_is_built_while_the_old_world_trains(pool: Pool) -> None:
     assert all(r["committed"] and not r["wrong_boxes"] for r in results.values())
     # The old members kept stepping (all-reducing) while the union and new groups were built.
     assert all(results[m]["steps_while_preparing"] > 0 for m in old[1])
+
+
+def test_unverified_switch_moves_the_same_bytes(pool: Pool) -> None:
+    model, old, new = TRANSITIONS["pp 2 -> 1 with a member removed"]
+    results = run_switch(pool, model, old, new, budget=16 << 10, verify=False)
+    assert all(r["committed"] and not r["wrong_boxes"] for r in results.values()), results

@@ -134,6 +134,7 @@ def switch(
     keep: bool = False,
     train: bool = False,
     lost: list[str] = (),  # type: ignore[assignment]
+    verify: bool = True,
 ) -> dict[str, Any]:
     """One member's side of a switch from `old` to `new` (degrees text, members), starting from
     the seeded state (or the state kept from the previous task with `keep`)."""
@@ -158,7 +159,7 @@ def switch(
     before = state.checksums().tolist() if state is not None else None
     reconfig = Reconfiguration(
         spec, old_layout, new_layout, member, store, epoch, cpu, budget, Timeouts(*timeouts),
-        frozenset(lost),
+        frozenset(lost), verify,
     )  # fmt: skip
     old_world = None
     if train and member in old_layout.members:
