@@ -51,11 +51,12 @@ def layouts(
     drop: Sequence[int],
     add: int | None,
     replace: Sequence[int] = (),
+    lost: Sequence[int] = (),
 ) -> tuple[Layout, Layout]:
     """The old and new layout with members numbered as the module docstring says."""
     old_degrees, new_degrees = parse_degrees(old_text), parse_degrees(new_text)
     old = old_degrees.layout(spec, [str(i) for i in range(old_degrees.world_size)])
-    for flag, numbers in (("--drop", drop), ("--replace", replace)):
+    for flag, numbers in (("--drop", drop), ("--replace", replace), ("--lost", lost)):
         bad = sorted({n for n in numbers if not 0 <= n < old.world_size})
         if bad:
             raise ValueError(f"{flag} {bad}: members are numbered 0..{old.world_size - 1}")
@@ -63,6 +64,7 @@ def layouts(
         raise ValueError(
             f"members {sorted(set(drop) & set(replace))} are both dropped and replaced"
         )
+    drop = [*drop, *(n for n in lost if n not in replace)]  # a lost member may also be replaced
     fresh = (str(n) for n in itertools.count(old.world_size))
     staying = [
         next(fresh) if i in replace else m for i, m in enumerate(old.members) if i not in drop
@@ -202,11 +204,11 @@ def main(argv: list[str] | None = None) -> int:
         spec = resolve_model(args.model)
         if args.add is not None and args.add < 0:
             raise ValueError(f"--add {args.add} must be >= 0")
-        lost, replace = _int_list(args.lost, "--lost"), _int_list(args.replace, "--replace")
-        gone = [n for n in lost if n not in replace]  # a lost member may also be replaced
+        lost = _int_list(args.lost, "--lost")
         old, new = layouts(
-            spec, args.old, args.new, _int_list(args.drop, "--drop") + gone, args.add, replace
-        )
+            spec, args.old, args.new, _int_list(args.drop, "--drop"), args.add,
+            _int_list(args.replace, "--replace"), lost,
+        )  # fmt: skip
         lost_members = frozenset(str(n) for n in lost)
         budget = parse_bytes(args.budget)
         if args.rank is None:

@@ -168,6 +168,7 @@ def test_model_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
         (["--model", "tiny", "--from", "dp=2", "--to", "dp=4", "--add", "1"],
          "2 remaining members + 1 added != 4"),
         (["--model", "tiny", "--from", "dp=2", "--to", "dp=2", "--add", "-1"], "--add -1"),
+        (["--model", "tiny", "--from", "dp=2", "--to", "dp=1", "--lost", "5"], "--lost [5]"),
         # With --drop, surplus members are an error, not silently cut off.
         (["--model", "tiny", "--from", "dp=4", "--to", "dp=2", "--drop", "0"],
          "3 remaining members + 0 added != 2"),
