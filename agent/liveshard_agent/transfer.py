@@ -156,13 +156,18 @@ def _post(
     try:
         return op([buf], peer, tag)
     except RuntimeError as err:  # gloo fails at once when the peer's connection is gone
-        who = schedule.plan.members[peer]
-        raise TransferError(f"epoch {epoch}: transfer with member {who} failed: {err}") from None
+        who = _who(schedule, peer)
+        raise TransferError(f"epoch {epoch}: transfer with {who} failed: {err}") from None
+
+
+def _who(schedule: Schedule, peer: int | None) -> str:
+    """A peer (a union index) by name; None stands for a coalesced round's peers."""
+    return "its peers" if peer is None else f"member {schedule.plan.members[peer]}"
 
 
 def _wait(work: object, deadline: float, epoch: int, schedule: Schedule, peer: int | None) -> None:
     remaining = deadline - time.monotonic()
-    who = "its peers" if peer is None else f"member {schedule.plan.members[peer]}"
+    who = _who(schedule, peer)
     if remaining <= 0:
         raise TransferError(f"epoch {epoch}: switch deadline passed waiting for {who}")
     try:

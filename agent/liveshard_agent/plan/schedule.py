@@ -156,8 +156,8 @@ def build_schedule(plan: Plan, budget: int) -> Schedule:
             rounds.place_tensors(g, len(group.tensors), load)
             continue
         for tensor in range(len(group.tensors)):
+            ref = group.tensors.tensor(tensor)
             for i, t in enumerate(pattern.network):
-                ref = group.tensors.tensor(tensor)
                 start = 0
                 for box in _chunks(plan, ref, t.box, group.itemsize, budget):
                     n = volume(box) * group.itemsize

@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass
 from enum import Enum
 from functools import cached_property
+from math import prod
 from pathlib import Path
 from typing import Any
 
@@ -216,14 +217,7 @@ class ModelSpec:
     def state_bytes(self) -> int:
         """Bytes of all training state held once (no replication)."""
         per_elem = self.config.param_dtype.itemsize + 3 * DType.FP32.itemsize
-        return sum(_numel(p.shape) for p in self.params) * per_elem
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+        return sum(prod(p.shape) for p in self.params) * per_elem
 
 
 def config_to_dict(config: TransformerConfig) -> dict[str, Any]:
