@@ -16,11 +16,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from liveshard_agent.layout.layout import Layout, parse_degrees
-from liveshard_agent.plan.plan import build_plan, plan_view
-from liveshard_agent.plan.schedule import build_schedule
-from liveshard_agent.vps.presets import preset
-from liveshard_agent.vps.spec import ModelSpec, TransformerConfig
+from liveshard_core.layout.layout import Layout, parse_degrees
+from liveshard_core.plan.plan import build_plan
+from liveshard_core.plan.schedule import build_schedule
+from liveshard_core.plan.view import plan_view
+from liveshard_core.vps.presets import preset
+from liveshard_core.vps.spec import ModelSpec, TransformerConfig
 
 BUDGET = 1 << 30
 
@@ -69,7 +70,7 @@ def measure(
         "logical_tensors": 4 * len(spec.params),
         "state_bytes": spec.state_bytes,
         "network_bytes": plan.network_bytes,
-        "transfers": plan.network_transfers,
+        "transfers": plan.network_pieces,
         "patterns": len(plan.patterns),
         "plan_seconds": round(plan_seconds, 4),
         "schedule_seconds": round(schedule_seconds, 4),

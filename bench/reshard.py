@@ -85,25 +85,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllreduceOptions, PrefixStore, ReduceOp, TCPStore
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor.api import ShardedTensor
-from torch.distributed._shard.sharded_tensor.metadata import (
-    ShardedTensorMetadata,
-    TensorProperties,
-)
-from torch.distributed._shard.sharded_tensor.shard import Shard
+from torch.distributed import AllreduceOptions, PrefixStore, ReduceOp, TCPStore
 from torch.distributed.checkpoint.state_dict_loader import load
 from torch.distributed.checkpoint.state_dict_saver import save
 
-from liveshard_agent.layout.layout import Layout, parse_degrees
-from liveshard_agent.layout.region import partition, place
-from liveshard_agent.plan.plan import Plan, build_plan
-from liveshard_agent.state import TORCH_DTYPES, ShardedState
-from liveshard_agent.switch import Reconfiguration, Timeouts
-from liveshard_agent.vps.box import Box, volume
-from liveshard_agent.vps.spec import ModelSpec, TransformerConfig
-from liveshard_agent.world import Group, StoreAddress, connect_store, new_group
+from liveshard_agent.engine.backend import Group, new_group, sharded_tensor
+from liveshard_agent.engine.state import TORCH_DTYPES, ShardedState
+from liveshard_agent.engine.switch import Reconfiguration, Timeouts
+from liveshard_agent.engine.world import StoreAddress, connect_store
+from liveshard_core.layout.layout import Layout, parse_degrees
+from liveshard_core.layout.region import partition, place
+from liveshard_core.plan.plan import Plan, build_plan
+from liveshard_core.vps.box import volume
+from liveshard_core.vps.spec import ModelSpec, TransformerConfig
+from liveshard_e2e.workers import Pool
 
 # DCP warns on every ShardedTensor it plans; this benchmark uses them on purpose (docstring).
 warnings.filterwarnings("ignore", message="Please use DTensor instead", category=FutureWarning)
@@ -166,31 +161,7 @@ def _worker_of(member: str) -> int:
 # ---- state dicts of ShardedTensors for DCP ----
 
 
-def _sharded(
-    shape: tuple[int, ...],
-    dtype: torch.dtype,
-    placed_boxes: list[tuple[Box, int]],
-    local: dict[Box, torch.Tensor],
-    rank: int,
-) -> ShardedTensor:
-    """A ShardedTensor of global `shape` whose metadata places each box on a rank; the boxes
-    placed on `rank` are its local shards, backed by the tensors in `local` (no copy)."""
-    metas, shards = [], []
-    for box, owner in placed_boxes:
-        meta = ShardMetadata(
-            shard_offsets=[lo for lo, _ in box],
-            shard_sizes=[hi - lo for lo, hi in box],
-            placement=f"rank:{owner}/cpu",
-        )
-        metas.append(meta)
-        if owner == rank:
-            shards.append(Shard(local[box], meta))
-    properties = TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=False)
-    metadata = ShardedTensorMetadata(metas, torch.Size(shape), properties)
-    return ShardedTensor._init_from_local_shards_and_global_metadata(shards, metadata)
-
-
-def save_state_dict(state: ShardedState) -> dict[str, ShardedTensor]:
+def save_state_dict(state: ShardedState) -> dict[str, torch.Tensor]:
     """Every logical tensor, each box saved by its designated (first) holder only."""
     spec, layout, out = state.spec, state.layout, {}
     for ref in spec.tensors():
@@ -201,11 +172,11 @@ def save_state_dict(state: ShardedState) -> dict[str, ShardedTensor]:
         ]
         local = dict(state.boxes.get(ref, []))
         dtype = TORCH_DTYPES[spec.dtype(ref.kind)]
-        out[spec.tensor_name(ref)] = _sharded(param.shape, dtype, placed, local, state.rank)
+        out[spec.tensor_name(ref)] = sharded_tensor(param.shape, dtype, placed, local, state.rank)
     return out
 
 
-def load_state_dict(state: ShardedState) -> dict[str, ShardedTensor]:
+def load_state_dict(state: ShardedState) -> dict[str, torch.Tensor]:
     """Every logical tensor, with every box `state`'s rank holds (replicas included) as a local
     shard: this rank's own metadata places a replicated box on itself when it holds it."""
     spec, layout, rank, out = state.spec, state.layout, state.rank, {}
@@ -218,69 +189,13 @@ def load_state_dict(state: ShardedState) -> dict[str, ShardedTensor]:
         if mine != set(local):
             raise AssertionError(f"rank {rank}: partition and held boxes of {ref} disagree")
         dtype = TORCH_DTYPES[spec.dtype(ref.kind)]
-        out[spec.tensor_name(ref)] = _sharded(param.shape, dtype, placed, local, rank)
+        out[spec.tensor_name(ref)] = sharded_tensor(param.shape, dtype, placed, local, rank)
     return out
 
 
-# ---- the worker pool (old processes, kept for the whole run) ----
+# ---- tasks of the worker pool (old processes, kept for the whole run) ----
 
 CONTEXT: dict[str, Any] = {}
-
-
-def _serve(conn: Connection) -> None:
-    torch.set_num_threads(1)
-    while True:
-        try:
-            name, kwargs = conn.recv()
-        except EOFError:
-            return
-        try:
-            conn.send(("ok", globals()[name](**kwargs)))
-        except BaseException as err:
-            conn.send(("error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
-
-
-class Pool:
-    """Spawned worker processes that run this module's task functions by name."""
-
-    def __init__(self, size: int) -> None:
-        ctx = mp.get_context("spawn")
-        self.workers = []
-        for _ in range(size):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(child,), daemon=True)
-            proc.start()
-            child.close()
-            self.workers.append((proc, parent))
-
-    def run(self, name: str, tasks: dict[int, dict[str, Any]], timeout: float = 1800) -> list[Any]:
-        """Run task `name` on each worker in `tasks` at once; raise if any fails or dies."""
-        for w, kwargs in tasks.items():
-            self.workers[w][1].send((name, kwargs))
-        results, errors = [], []
-        deadline = time.monotonic() + timeout
-        for w in tasks:
-            proc, conn = self.workers[w]
-            while not conn.poll(0.05):
-                if not proc.is_alive() or time.monotonic() > deadline:
-                    raise RuntimeError(f"worker {w} died or hung in task {name}")
-            status, value = conn.recv()
-            if status == "error":
-                errors.append(f"worker {w}: {value}")
-            results.append(value)
-        if errors:
-            raise RuntimeError(f"task {name} failed:\n" + "\n".join(errors))
-        return results
-
-    def all(self, name: str, **kwargs: Any) -> list[Any]:
-        return self.run(name, {w: dict(kwargs) for w in range(len(self.workers))})
-
-    def close(self) -> None:
-        for proc, conn in self.workers:
-            conn.close()
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
 
 
 def _barrier(group: Group) -> None:
@@ -315,7 +230,9 @@ def setup(index: int, size: int, port: int) -> int:
     """Connect to the driver's store and build a gloo group over all workers."""
     store = connect_store(StoreAddress(HOST, port), timeout=TIMEOUTS.op)
     CONTEXT.update(index=index, store=store)
-    CONTEXT["group"] = new_group(store, "bench/all", index, size, CPU, TIMEOUTS.op)
+    CONTEXT["group"] = new_group(
+        store, prefix="bench/all", rank=index, size=size, device=CPU, timeout=TIMEOUTS.op
+    )
     return os.getpid()
 
 
@@ -329,13 +246,14 @@ def prepare(
     member = f"m{CONTEXT['index']}"
     CONTEXT.update(spec=spec, old=old, new=new, member=member, reconfig=None, state=None)
     if member in old.members:
-        CONTEXT["state"] = ShardedState.seeded(spec, old, old.members.index(member), SEED, CPU)
+        CONTEXT["state"] = ShardedState.seeded(spec, old, old.rank_of(member), SEED, CPU)
     _barrier(CONTEXT["group"])
     if member not in old.members and member not in new.members:
         return None
     reconfig = Reconfiguration(
-        spec, old, new, member, CONTEXT["store"], epoch, CPU, budget, TIMEOUTS, verify=verify
-    )
+        spec=spec, old=old, new=new, member=member, store=CONTEXT["store"], epoch=epoch,
+        device=CPU, budget=budget, timeouts=TIMEOUTS, verify=verify, job="bench",
+    )  # fmt: skip
     start = time.perf_counter()
     reconfig.prepare_in_background().result()
     out = {"prepare": time.perf_counter() - start, **reconfig.seconds, "local_copy": 0.0}
@@ -343,11 +261,11 @@ def prepare(
     state: ShardedState | None = CONTEXT["state"]
     if state is not None and member in new.members:
         assert reconfig.plan is not None
-        me = reconfig.plan.members.index(member)
-        scratch = ShardedState.allocate(spec, new, new.members.index(member), CPU)
+        slot = reconfig.plan.slot_of(member)
+        scratch = ShardedState.allocate(spec, new, new.rank_of(member), CPU)
         start = time.perf_counter()
-        for ref, t in reconfig.plan.local_copies(me):  # what run_schedule does first
-            scratch.view(ref, t.box).copy_(state.view(ref, t.box))
+        for ref, piece in reconfig.plan.local_copies(slot):  # what run_schedule does first
+            scratch.view(ref, piece.box).copy_(state.view(ref, piece.box))
         out["local_copy"] = time.perf_counter() - start
         del scratch
     return out
@@ -518,8 +436,8 @@ def pair_bytes(plan: Plan) -> dict[tuple[int, int], int]:
     """Network bytes of the plan per (src, dst) pair of union indices."""
     out: dict[tuple[int, int], int] = defaultdict(int)
     for g in plan.groups:
-        for t in plan.patterns[g.pattern].network:
-            out[(t.src, t.dst)] += volume(t.box) * g.itemsize * len(g.tensors)
+        for piece in plan.pattern_of(g).network:
+            out[(piece.src, piece.dst)] += volume(piece.box) * g.itemsize * len(g.tensors)
     return dict(out)
 
 
@@ -718,11 +636,11 @@ def main() -> None:
     repeat = args.repeat or (1 if args.quick else 2)
 
     store = TCPStore(HOST, 0, None, True, timedelta(seconds=TIMEOUTS.op), wait_for_workers=False)
-    pool = Pool(NPROCS)
+    pool = Pool(NPROCS, __name__, threads=1, timeout=1800)
     results = []
     try:
         pool.run(
-            "setup", {w: {"index": w, "size": NPROCS, "port": store.port} for w in range(NPROCS)}
+            {w: ("setup", {"index": w, "size": NPROCS, "port": store.port}) for w in range(NPROCS)}
         )
         epochs = itertools.count(1)
         for transition in TRANSITIONS:

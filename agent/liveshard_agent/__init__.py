@@ -1,5 +1,5 @@
-"""liveshard's in-pod agent and the pure core it shares with the operator.
+"""liveshard's in-pod agent: the transfer engine, and (to come) the training runtime and server.
 
-The subpackages `vps`, `layout` and `plan` are the pure core: they describe training state, layouts
-and transfer plans without importing torch, grpc or kubernetes, so the operator can use them too.
+Layers, each importing only those below it (import-linter contracts keep the arrows down):
+`server` > `runtime` > `engine` > `liveshard_core` (the pure core, shared with the operator).
 """

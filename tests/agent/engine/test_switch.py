@@ -11,8 +11,10 @@ import itertools
 from typing import Any
 
 import pytest
-from conftest import names, run_switch
-from workers import Died, Pool
+
+from liveshard_e2e.workers import Died, Pool
+from tests.agent.engine.helpers import run_switch
+from tests.helpers import names
 
 # tp=2 and tp=3 both divide heads, kv_heads, ffn and vocab.
 THREE_WAY = dict(name="three", vocab=96, hidden=24, layers=3, heads=12, kv_heads=6, head_dim=2,
@@ -44,19 +46,26 @@ def test_transition_commits_with_exact_state(pool: Pool, name: str) -> None:
     results = run_switch(pool, model, old, new, budget=16 << 10)
     for member, r in results.items():
         assert r["committed"], f"{member}: {r['reason']}"
+        assert r["cause"] is None
         assert r["wrong_boxes"] == [], f"{member} holds boxes that differ from the seed"
         assert r["peak_staging"] <= r["budget"]
         assert (r["state_bytes"] > 0) == (member in new[1]), member
+        # The caller's old state object is released on commit, so it cannot be used by mistake.
+        assert r["old_released"] == (member in old[1]), member
+        assert r["record"]["result"] == "committed"
+        assert r["record"]["sent_bytes"] == r["sent"]
     assert sum(r["sent"] for r in results.values()) == sum(r["received"] for r in results.values())
 
 
-def _assert_all_aborted_intact(results: dict[str, Any], epoch_word: str = "epoch") -> None:
+def _assert_all_aborted_intact(results: dict[str, Any]) -> None:
     for member, r in results.items():
         if isinstance(r, Died):
             continue
         assert not r["committed"], member
-        assert epoch_word in r["reason"], r["reason"]
+        assert "epoch" in r["reason"], r["reason"]
+        assert r["record"]["cause"] == r["cause"]
         assert r["old_intact"], f"{member}: old state changed by an aborted switch"
+        assert not r["old_released"], member
         assert r["wrong_boxes"] == [] or r["state_bytes"] == 0, member
 
 
@@ -64,7 +73,9 @@ def test_vote_no_aborts_everywhere_then_next_switch_commits(pool: Pool) -> None:
     old, new = ("dp=2,zero=1", names(2)), ("tp=2,dp=2,zero=1", names(4))
     results = run_switch(pool, "tiny", old, new, faults={"m3": ("vote_no", 0, 0)})
     _assert_all_aborted_intact(results)
-    assert all("voted no" in r["reason"] for r in results.values())
+    assert all(r["cause"] == "vote_no" for r in results.values()), results
+    assert "injected vote no" in results["m3"]["reason"]
+    assert all("1 member(s) voted no" in r["reason"] for m, r in results.items() if m != "m3")
     # The old state is still usable: the same change, retried, commits.
     retried = run_switch(pool, "tiny", old, new)
     assert all(r["committed"] and not r["wrong_boxes"] for r in retried.values())
@@ -79,7 +90,11 @@ def test_killed_peer_aborts_survivors_then_they_recover_without_it(pool: Pool) -
     assert isinstance(results["m2"], Died)
     survivors = {m: r for m, r in results.items() if m != "m2"}
     _assert_all_aborted_intact(survivors)
-    assert any("m2" in r["reason"] for r in survivors.values()), survivors
+    # Its peers see it fail and name it, and abort the union at once, so that the members
+    # waiting on them fail too (naming them) instead of waiting for the deadline.
+    assert {r["cause"] for r in survivors.values()} <= {"peer_failed", "vote_incomplete"}
+    assert any(r["cause"] == "peer_failed" and "member m2" in r["reason"]
+               for r in survivors.values()), survivors  # fmt: skip
     for r in survivors.values():
         assert r["seconds"] < deadline + 5, r
     # Right after, the survivors switch to a layout without m2, from the copies they hold.
@@ -96,7 +111,9 @@ def test_stalled_peer_aborts_at_the_deadline(pool: Pool) -> None:
                          timeouts=(2, deadline, 30))  # fmt: skip
     _assert_all_aborted_intact(results)
     others = [r for m, r in results.items() if m != "m1"]
-    assert any("m1" in r["reason"] or "vote" in r["reason"] for r in others), others
+    # Members waiting on m1 pass the deadline naming it; the others' vote cannot complete.
+    assert {r["cause"] for r in others} <= {"deadline_passed", "vote_incomplete"}, others
+    assert any(r["cause"] == "deadline_passed" and "member m1" in r["reason"] for r in others)
     for r in others:
         assert r["seconds"] < deadline + 4, r
     # Right after, the old state is usable for a switch that commits.
@@ -107,7 +124,7 @@ def test_stalled_peer_aborts_at_the_deadline(pool: Pool) -> None:
 def test_plan_mismatch_is_caught_before_any_byte_moves(pool: Pool) -> None:
     old = ("dp=4", names(4))
     # m3 believes the new layout is tp=2,dp=2; the others believe dp=4 with zero=1.
-    port = pool.run({0: ("host_store", {})})[0]
+    port = pool.run({0: ("host", {})})[0]
     tasks = {}
     for i, m in enumerate(names(4)):
         new = ("tp=2,dp=2", names(4)) if m == "m3" else ("dp=4,zero=1", names(4))
@@ -116,6 +133,7 @@ def test_plan_mismatch_is_caught_before_any_byte_moves(pool: Pool) -> None:
     results = pool.run(tasks)
     for r in results.values():
         assert r.get("mismatch"), r
+        assert r["cause"] == "plan_mismatch"
         assert r["intact"]
     assert all("m3" in r["reason"] for w, r in results.items() if w != 3)
 
@@ -148,5 +166,10 @@ def test_new_world_is_built_while_the_old_world_trains(pool: Pool) -> None:
 
 def test_unverified_switch_moves_the_same_bytes(pool: Pool) -> None:
     model, old, new = TRANSITIONS["pp 2 -> 1 with a member removed"]
-    results = run_switch(pool, model, old, new, budget=16 << 10, verify=False)
-    assert all(r["committed"] and not r["wrong_boxes"] for r in results.values()), results
+    verified = run_switch(pool, model, old, new, budget=16 << 10)
+    unverified = run_switch(pool, model, old, new, budget=16 << 10, verify=False)
+    assert all(r["committed"] and not r["wrong_boxes"] for r in unverified.values()), unverified
+    for member, r in unverified.items():
+        for key in ("sent", "received", "rounds", "state_bytes"):
+            assert r[key] == verified[member][key], (member, key)
+        assert (r["record"]["verified"], verified[member]["record"]["verified"]) == (False, True)

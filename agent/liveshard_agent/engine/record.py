@@ -1,0 +1,63 @@
+"""What a switch reports: one structured record per switch, and logging with its context.
+
+Every log line of a reconfiguration carries the job, the epoch and the member (`context_logger`),
+and every switch ends with one `SwitchRecord`: its phase timings, bytes and result, logged as one
+JSON line, the figure the runtime and the operator report.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import MutableMapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+class ContextLogger(logging.LoggerAdapter[logging.Logger]):
+    """A logger that prefixes every message with its job, epoch and member, and passes them to
+    handlers as record attributes (`record.job`, `record.epoch`, `record.member`)."""
+
+    def process(
+        self, msg: Any, kwargs: MutableMapping[str, Any]
+    ) -> tuple[Any, MutableMapping[str, Any]]:
+        extra = dict(self.extra or {})
+        kwargs["extra"] = {**extra, **kwargs.get("extra", {})}
+        prefix = " ".join(
+            f"{key}={extra[key]}" for key in ("job", "epoch", "member") if key in extra
+        )
+        return f"[{prefix}] {msg}", kwargs
+
+
+def context_logger(logger: logging.Logger, *, job: str, epoch: int, member: str) -> ContextLogger:
+    return ContextLogger(logger, {"job": job, "epoch": epoch, "member": member})
+
+
+@dataclass(frozen=True)
+class SwitchRecord:
+    """One member's account of one switch."""
+
+    job: str
+    epoch: int
+    member: str
+    from_layout: str
+    to_layout: str
+    result: str  # "committed" or "aborted"
+    cause: str | None  # a `Cause` value when aborted
+    reason: str
+    verified: bool  # whether checksums were compared before the vote
+    seconds: dict[str, float]  # prepare phases (plan, groups, shadow) and the pause's parts
+    pause_seconds: float
+    local_bytes: int
+    sent_bytes: int
+    received_bytes: int
+    rounds: int
+    shadow_bytes: int
+    peak_staging_bytes: int
+    budget_bytes: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), sort_keys=True)

@@ -1,0 +1,429 @@
+"""The reconfiguration transaction: prepare while training, switch at a step, commit or abort.
+
+A `Reconfiguration` is one member's side of one epoch's change, and moves through explicit phases
+(`Phase`), checked on every call:
+
+1. CREATED -> PREPARING -> PREPARED (`prepare_in_background`, in a thread while the old world
+   trains, bounded by the prepare deadline): refuse an epoch already used on this store, compute
+   the plan and schedule, agree on the plan digest through the store before any byte moves, build
+   the union group, the new world and the zeroed shadow state. A prepare that fails or passes its
+   deadline ends in FAILED.
+2. PREPARED -> SWITCHING (`switch`, at a step boundary, every union member at once): checksum the
+   old state, run the schedule into the shadow, checksum the shadow, and vote: one all-reduce over
+   the union group, within the switch deadline, of every member's failure flag and checksums.
+3. -> COMMITTED if nobody failed and every logical tensor's checksums match: the shadow becomes
+   the state, the caller's old state object is released (see `state`). -> ABORTED otherwise: the
+   shadow is dropped and the caller keeps its old state exactly as it was. Every member decides
+   from the same all-reduced vote. A prepared reconfiguration that will not switch is `abort`ed.
+
+Timeouts, short to long (`Timeouts`): one operation < the switch deadline < the prepare deadline.
+A deadline that passes aborts; nothing waits longer. Known window: a member that dies *during* the
+vote all-reduce can leave members that completed it committed and others aborted; the operator,
+which records the committed epoch, reconciles that case.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from datetime import timedelta
+from enum import Enum
+
+import torch
+from torch.distributed import AllreduceOptions, ReduceOp, Store
+
+from liveshard_core.layout.layout import Layout
+from liveshard_core.plan.plan import Plan, build_plan
+from liveshard_core.plan.schedule import Schedule, build_schedule
+from liveshard_core.vps.spec import ModelSpec
+
+from .backend import Group
+from .checksum import Checksums
+from .errors import Cause, EpochReused, PhaseError, PlanMismatch, PrepareTimeout, TransferError
+from .executor import Memory, TransferStats, run_schedule
+from .record import SwitchRecord, context_logger
+from .state import ShardedState
+from .world import World, union_group
+
+log = logging.getLogger(__name__)
+
+
+class Phase(Enum):
+    CREATED = "created"
+    PREPARING = "preparing"
+    PREPARED = "prepared"
+    SWITCHING = "switching"
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+    FAILED = "failed"  # prepare failed or passed its deadline
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds; each must be shorter than the next."""
+
+    op: float = 30.0  # creating a group, one operation outside a switch
+    switch: float = 120.0  # transfer, checksums and vote
+    prepare: float = 300.0  # plan, digest agreement, world building
+
+    def __post_init__(self) -> None:
+        if not 0 < self.op <= self.switch <= self.prepare:
+            raise ValueError(f"timeouts must satisfy 0 < op <= switch <= prepare, got {self}")
+
+
+@dataclass(frozen=True)
+class SwitchHooks:
+    """Calls into the switch at fixed points, for instrumentation and fault-injection tests. A
+    hook that raises makes this member vote no, with the exception as its reason."""
+
+    before_round: Callable[[int], None] | None = None  # round r of the schedule starts
+    before_vote: Callable[[], None] | None = None  # the transfer and checksums are done
+
+
+@dataclass
+class SwitchResult:
+    committed: bool
+    cause: Cause | None  # None when committed
+    reason: str
+    state: ShardedState | None  # the member's state after the switch (None: it left)
+    world: World | None  # the world it trains in after the switch
+    stats: TransferStats
+    memory: Memory
+    record: SwitchRecord
+    seconds: dict[str, float] = field(default_factory=dict)  # the pause: transfer (with local
+    # copies and the old state's checksum), checksum_new, vote
+
+
+@dataclass(frozen=True)
+class _Failure:
+    cause: Cause
+    reason: str
+
+
+class Reconfiguration:
+    """One member's side of the move from `old` to `new` in epoch `epoch`."""
+
+    def __init__(
+        self,
+        *,
+        spec: ModelSpec,
+        old: Layout,
+        new: Layout,
+        member: str,
+        store: Store,
+        epoch: int,
+        device: torch.device,
+        budget: int,
+        timeouts: Timeouts | None = None,
+        lost: frozenset[str] = frozenset(),
+        verify: bool = True,
+        job: str = "",
+        hooks: SwitchHooks | None = None,
+    ) -> None:
+        """`lost` names old members that died with their state: the plan uses surviving copies.
+        `verify=False` skips the checksums: the vote then only carries failures, and the bytes
+        are trusted to the transport."""
+        self.spec, self.old, self.new, self.member, self.lost = spec, old, new, member, lost
+        self.verify, self.job = verify, job
+        self.store, self.epoch, self.device, self.budget = store, epoch, device, budget
+        self.timeouts = timeouts or Timeouts()
+        self.hooks = hooks or SwitchHooks()
+        self.seconds: dict[str, float] = {}
+        self.log = context_logger(log, job=job, epoch=epoch, member=member)
+        self._phase = Phase.CREATED
+        self._lock = threading.Lock()
+        # Built by prepare:
+        self.plan: Plan | None = None
+        self.schedule: Schedule | None = None
+        self.union: Group | None = None
+        self.world: World | None = None
+        self.shadow: ShardedState | None = None
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    def _advance(self, expected: tuple[Phase, ...], to: Phase) -> None:
+        with self._lock:
+            if self._phase not in expected:
+                raise PhaseError(
+                    f"epoch {self.epoch}: {self.member} cannot go to {to.value} from "
+                    f"{self._phase.value} (only from {[p.value for p in expected]})"
+                )
+            self._phase = to
+
+    # ---- prepare ----
+
+    def prepare_in_background(self) -> Future[None]:
+        """Run prepare in a thread of its own; the future fails with `PrepareTimeout` at the
+        prepare deadline if prepare has not finished by then, and with prepare's own error if it
+        fails sooner. The caller keeps training and checks the future at step boundaries."""
+        self._advance((Phase.CREATED,), Phase.PREPARING)
+        done: Future[None] = Future()
+        done.set_running_or_notify_cancel()
+
+        def finish(error: BaseException | None) -> None:
+            with self._lock:
+                if self._phase is not Phase.PREPARING:
+                    return  # the deadline came first; what prepare built is dropped below
+                self._phase = Phase.FAILED if error else Phase.PREPARED
+            if error is None:
+                done.set_result(None)
+            else:
+                self.log.warning("prepare failed: %s", error)
+                done.set_exception(error)
+
+        expired = PrepareTimeout(
+            f"epoch {self.epoch}: prepare passed its {self.timeouts.prepare} s deadline"
+        )
+        timer = threading.Timer(self.timeouts.prepare, finish, args=(expired,))
+        timer.daemon = True
+
+        def run() -> None:
+            error: BaseException | None = None
+            try:
+                self._prepare()
+            except BaseException as err:
+                error = err
+            # No callback links the future, the timer and this object in a cycle: a finished
+            # reconfiguration is freed (and its groups' threads with it) as soon as it is dropped.
+            timer.cancel()
+            finish(error)
+            if self._phase is Phase.FAILED:
+                self._release_prepared()
+
+        timer.start()
+        threading.Thread(target=run, name=f"prepare-{self.epoch}", daemon=True).start()
+        return done
+
+    def prepare(self) -> None:
+        """Prepare in the calling thread's stead and wait for it (bounded by the deadline)."""
+        self.prepare_in_background().result()
+
+    def _prepare(self) -> None:
+        # A store client is not safe to share between threads: prepare uses a clone of its own.
+        self.store = self.store.clone()
+        self._claim_epoch()
+        start = time.perf_counter()
+        self.plan = build_plan(self.spec, self.old, self.new, self.lost)
+        self.schedule = build_schedule(self.plan, self.budget)
+        self.seconds["plan"] = time.perf_counter() - start
+        self.plan.slot_of(self.member)  # raises if the member takes no part
+        self._agree_on_digest(self.plan)
+        start = time.perf_counter()
+        self.union = union_group(
+            self.store, epoch=self.epoch, members=self.plan.members, member=self.member,
+            device=self.device, timeout=self.timeouts.switch,
+        )  # fmt: skip
+        if self.member in self.new.ranks:
+            self.world = World.build(
+                self.store, epoch=self.epoch, layout=self.new, member=self.member,
+                device=self.device, timeout=self.timeouts.op,
+            )  # fmt: skip
+        self.seconds["groups"] = time.perf_counter() - start
+        # The new state's storage, first-touched here so that the pause does not pay for it.
+        start = time.perf_counter()
+        if self.member in self.new.ranks:
+            rank = self.new.rank_of(self.member)
+            self.shadow = ShardedState.allocate(self.spec, self.new, rank, self.device)
+        self.seconds["shadow"] = time.perf_counter() - start
+        self.log.info(
+            "prepared: plan %s, %s rounds", self.plan.digest[:12], len(self.schedule.rounds)
+        )
+
+    def _claim_epoch(self) -> None:
+        """Refuse an epoch this member already used on this store: its keys would mislead."""
+        uses = self.store.add(f"liveshard/{self.epoch}/claimed/{self.member}", 1)
+        if uses != 1:
+            raise EpochReused(
+                f"epoch {self.epoch} was already used by {self.member} on this store; "
+                "every reconfiguration takes a new epoch number"
+            )
+
+    def _agree_on_digest(self, plan: Plan) -> None:
+        """Publish this member's plan digest and compare it with every other member's."""
+        prefix = f"liveshard/{self.epoch}/digest/"
+        self.store.set(prefix + self.member, plan.digest)
+        keys = [prefix + m for m in plan.members]
+        try:
+            self.store.wait(keys, timedelta(seconds=self.timeouts.prepare))
+        except RuntimeError:
+            missing = [
+                m for m, k in zip(plan.members, keys, strict=True) if not self.store.check([k])
+            ]
+            raise PrepareTimeout(
+                f"epoch {self.epoch}: members {missing} published no plan digest within "
+                f"{self.timeouts.prepare} s"
+            ) from None
+        differ = [
+            m
+            for m, k in zip(plan.members, keys, strict=True)
+            if self.store.get(k).decode() != plan.digest
+        ]
+        if differ:
+            raise PlanMismatch(
+                f"epoch {self.epoch}: members {differ} computed a different plan than "
+                f"{self.member} (digest {plan.digest[:12]}); they disagree about the model, "
+                "layouts or members"
+            )
+
+    def abort(self) -> None:
+        """Give up a prepared (or failed) reconfiguration without switching."""
+        self._advance((Phase.PREPARED, Phase.FAILED), Phase.ABORTED)
+        self._release_prepared()
+
+    def _release_prepared(self) -> None:
+        with self._lock:
+            union, shadow = self.union, self.shadow
+            self.union, self.world, self.shadow = None, None, None
+        if union is not None:
+            union.abort()
+        if shadow is not None:
+            shadow.release()
+
+    # ---- switch ----
+
+    def switch(self, old_state: ShardedState | None) -> SwitchResult:
+        """Move the state into the new layout; commit or abort everywhere together."""
+        self._advance((Phase.PREPARED,), Phase.SWITCHING)
+        assert self.plan is not None and self.schedule is not None and self.union is not None
+        begin = time.perf_counter()
+        deadline = time.monotonic() + self.timeouts.switch
+        slot = self.plan.slot_of(self.member)
+        shadow, self.shadow = self.shadow, None
+        memory = Memory(self.budget, old=old_state.nbytes if old_state else 0)
+        memory.shadow = shadow.nbytes if shadow is not None else 0
+        sums = {
+            "old": Checksums.zeros(self.spec, self.device),
+            "new": Checksums.zeros(self.spec, self.device),
+        }
+
+        def checksum_old() -> None:  # reads the old state only: runs while round 0 is in flight
+            if old_state is not None:
+                sums["old"] = Checksums.of_state(old_state)
+
+        seconds: dict[str, float] = {}
+        failure: _Failure | None = None
+        stats = TransferStats()
+        start = time.perf_counter()
+        try:
+            stats = run_schedule(
+                self.schedule, slot=slot, old=old_state, shadow=shadow, group=self.union,
+                deadline=deadline, epoch=self.epoch, memory=memory,
+                overlap=checksum_old if self.verify else None,
+                before_round=self.hooks.before_round,
+            )  # fmt: skip
+        except TransferError as err:
+            # The union is broken: abort it at once, so that peers waiting on this member fail
+            # now (naming it) instead of at the deadline. Its vote cannot complete either.
+            failure = _Failure(err.cause, str(err))
+            self.union.abort()
+        except Exception as err:  # a hook, or a fault of this member's own: it votes no
+            failure = _Failure(Cause.VOTE_NO, f"epoch {self.epoch}: {self.member} failed: {err!r}")
+        seconds["transfer"] = time.perf_counter() - start
+        start = time.perf_counter()
+        if shadow is not None and failure is None and self.verify:
+            sums["new"] = Checksums.of_state(shadow)
+        seconds["checksum_new"] = time.perf_counter() - start
+        if failure is None and self.hooks.before_vote is not None:
+            try:
+                self.hooks.before_vote()
+            except Exception as err:
+                failure = _Failure(
+                    Cause.VOTE_NO, f"epoch {self.epoch}: {self.member} voted no: {err}"
+                )
+
+        start = time.perf_counter()
+        broken = failure is not None and failure.cause in (Cause.PEER_FAILED, Cause.DEADLINE_PASSED)
+        outcome = failure if broken else self._vote(failure, sums["old"], sums["new"], deadline)
+        seconds["vote"] = time.perf_counter() - start
+        if outcome is not None and not broken:
+            # Operations a failure left pending would each hold the group's teardown for a
+            # whole timeout; aborting ends them (and tells peers still waiting) at once.
+            self.union.abort()
+        self.union = None  # the union group is done either way; dropping it closes it
+        seconds["pause"] = time.perf_counter() - begin
+        if outcome is None:
+            self._phase = Phase.COMMITTED
+            if old_state is not None:
+                old_state.release()
+            state, world = shadow, self.world
+        else:
+            self._phase = Phase.ABORTED
+            if shadow is not None:
+                shadow.release()
+            state, world, self.world = old_state, None, None
+        record = self._record(outcome, stats, memory, seconds)
+        (self.log.info if outcome is None else self.log.warning)("switch %s", record.to_json())
+        cause, reason = (
+            (None, record.reason) if outcome is None else (outcome.cause, outcome.reason)
+        )
+        return SwitchResult(
+            outcome is None, cause, reason, state, world, stats, memory, record, seconds
+        )
+
+    def _vote(
+        self, failure: _Failure | None, old: Checksums, new: Checksums, deadline: float
+    ) -> _Failure | None:
+        """All-reduce failures and checksums over the union; the outcome's failure, or None to
+        commit. Every member that completes the vote reaches the same decision."""
+        assert self.union is not None
+        flag = torch.tensor([0 if failure is None else 1], device=self.device)
+        vote = torch.cat([flag, old.flat, new.flat])
+        options = AllreduceOptions()
+        options.reduceOp = ReduceOp.SUM
+        options.timeout = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+        try:
+            self.union.allreduce([vote], options).wait()
+        except RuntimeError as err:
+            return failure or _Failure(
+                Cause.VOTE_INCOMPLETE, f"epoch {self.epoch}: the vote did not complete: {err}"
+            )
+        failed = int(vote[0])
+        if failed:
+            if failure is not None:
+                return failure
+            return _Failure(Cause.VOTE_NO, f"epoch {self.epoch}: {failed} member(s) voted no")
+        n = old.flat.numel()
+        total_old = Checksums.from_flat(self.spec, vote[1 : 1 + n])
+        total_new = Checksums.from_flat(self.spec, vote[1 + n :])
+        bad = total_old.differing(total_new)
+        if bad:
+            names = [self.spec.tensor_name(ref) for ref in bad[:5]]
+            return _Failure(
+                Cause.CHECKSUM_MISMATCH,
+                f"epoch {self.epoch}: checksums differ after the transfer for {names}",
+            )
+        return None
+
+    def _record(
+        self,
+        outcome: _Failure | None,
+        stats: TransferStats,
+        memory: Memory,
+        pause: dict[str, float],
+    ) -> SwitchRecord:
+        return SwitchRecord(
+            job=self.job,
+            epoch=self.epoch,
+            member=self.member,
+            from_layout=self.old.describe(),
+            to_layout=self.new.describe(),
+            result="committed" if outcome is None else "aborted",
+            cause=None if outcome is None else outcome.cause.value,
+            reason=f"epoch {self.epoch}: committed" if outcome is None else outcome.reason,
+            verified=self.verify,
+            seconds={k: round(v, 6) for k, v in {**self.seconds, **pause}.items()},
+            pause_seconds=round(pause["pause"], 6),
+            local_bytes=stats.local_bytes,
+            sent_bytes=stats.sent_bytes,
+            received_bytes=stats.received_bytes,
+            rounds=stats.rounds,
+            shadow_bytes=memory.shadow,
+            peak_staging_bytes=memory.peak_staging,
+            budget_bytes=memory.budget,
+        )

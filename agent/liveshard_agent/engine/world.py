@@ -1,0 +1,128 @@
+"""Worlds: one epoch of the job, its members, its layout and the process groups between them.
+
+Groups are built directly as process-group objects from a c10d store under a prefix per epoch and
+per group (`backend.new_group`), never through `init_process_group` or the default group, so a new
+world (and the union group of old and new members used for a transfer) can be built in a
+background thread while the old world trains. gloo serves CPU tensors, NCCL CUDA ones. Such groups
+are not registered with torch.distributed: callers use the group's own `send`, `recv` and
+`allreduce`, never the `torch.distributed.*` functions that look groups up.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import timedelta
+from enum import Enum
+
+import torch
+from torch.distributed import Store, TCPStore
+
+from liveshard_core.layout.layout import Layout
+
+from .backend import Group, new_group
+
+log = logging.getLogger(__name__)
+
+
+class Axis(Enum):
+    """The process groups of a world, one per parallel axis (and the whole world)."""
+
+    WORLD = "world"
+    TP = "tp"
+    DP = "dp"
+    PP = "pp"
+    EP = "ep"  # the ranks of one expert-dp index that together hold every expert
+    EXPERT_DP = "expert_dp"  # the ranks with the same ep rank, across which expert shards are cut
+
+
+@dataclass(frozen=True)
+class StoreAddress:
+    host: str
+    port: int
+
+
+def host_store(address: StoreAddress, timeout: float) -> TCPStore:
+    """Start the job's store in this process (a surviving member hosts it)."""
+    return TCPStore(
+        address.host, address.port, None, True, timedelta(seconds=timeout), wait_for_workers=False
+    )
+
+
+def connect_store(address: StoreAddress, timeout: float) -> TCPStore:
+    return TCPStore(address.host, address.port, None, False, timedelta(seconds=timeout))
+
+
+@dataclass
+class World:
+    """A member's view of one epoch: its rank in the layout and the groups it belongs to."""
+
+    epoch: int
+    layout: Layout
+    member: str
+    device: torch.device
+    groups: dict[Axis, Group] = field(repr=False)
+
+    @property
+    def rank(self) -> int:
+        return self.layout.rank_of(self.member)
+
+    def group(self, axis: Axis) -> Group:
+        return self.groups[axis]
+
+    @classmethod
+    def build(
+        cls,
+        store: Store,
+        *,
+        epoch: int,
+        layout: Layout,
+        member: str,
+        device: torch.device,
+        timeout: float,
+    ) -> World:
+        """Create this member's groups of the world: all ranks, and its tp, dp, pp and ep groups.
+
+        Each group has its own store prefix, so members create them in any order and concurrently.
+        """
+        rank = layout.rank_of(member)
+        pp_i, dp_i, tp_i = layout.coords(rank)
+        ep_i, expert_dp_i = dp_i % layout.ep, dp_i // layout.ep
+        axes = {
+            Axis.WORLD: ("all", rank, layout.world_size),
+            Axis.TP: (f"{pp_i}.{dp_i}", tp_i, layout.tp),
+            Axis.DP: (f"{pp_i}.{tp_i}", dp_i, layout.dp),
+            Axis.PP: (f"{dp_i}.{tp_i}", pp_i, layout.pp),
+            Axis.EP: (f"{pp_i}.{tp_i}.{expert_dp_i}", ep_i, layout.ep),
+            Axis.EXPERT_DP: (f"{pp_i}.{tp_i}.{ep_i}", expert_dp_i, layout.dp // layout.ep),
+        }
+        groups = {
+            axis: new_group(
+                store,
+                prefix=f"liveshard/{epoch}/{axis.value}/{key}",
+                rank=r,
+                size=size,
+                device=device,
+                timeout=timeout,
+            )
+            for axis, (key, r, size) in axes.items()
+        }
+        log.debug("epoch %s: member %s built its world groups as rank %s", epoch, member, rank)
+        return cls(epoch, layout, member, device, groups)
+
+
+def union_group(
+    store: Store,
+    *,
+    epoch: int,
+    members: tuple[str, ...],
+    member: str,
+    device: torch.device,
+    timeout: float,
+) -> Group:
+    """The group over old and new members that a transfer into epoch `epoch` runs on."""
+    slot = members.index(member)
+    return new_group(
+        store, prefix=f"liveshard/{epoch}/union", rank=slot, size=len(members), device=device,
+        timeout=timeout,
+    )  # fmt: skip

@@ -1,0 +1,239 @@
+"""The `liveshard plan` command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from liveshard_core.cli import main
+from liveshard_core.layout.layout import Layout
+from liveshard_core.plan.plan import build_plan
+from liveshard_core.vps.presets import preset
+
+TINY = preset("tiny")
+TINY_STATE_BYTES = TINY.state_bytes
+KEYS = {
+    "ranks_from", "ranks_to", "transfers", "network_bytes", "lower_bound_bytes", "local_bytes",
+    "max_rank_send_bytes", "max_rank_recv_bytes", "rounds", "plan_seconds", "plan_hash",
+}  # fmt: skip
+LIVESHARD = Path(sys.executable).parent / "liveshard"
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
+    assert main(["plan", *argv, "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    lines = out.strip().splitlines()
+    assert len(lines) == 1
+    summary = json.loads(lines[0])
+    assert isinstance(summary, dict)
+    return summary
+
+
+def digest(old: Layout, new: Layout) -> str:
+    return build_plan(TINY, old, new).digest
+
+
+def test_plan_json(capsys: pytest.CaptureFixture[str]) -> None:
+    s = run_json(capsys, "--model", "tiny", "--from", "dp=2", "--to", "dp=4,zero=1")
+    assert set(s) >= KEYS
+    assert (s["ranks_from"], s["ranks_to"]) == (2, 4)
+    assert s["network_bytes"] == s["lower_bound_bytes"]
+    # Members 0 and 1 keep everything; 2 and 3 each need the whole bf16 params and a quarter of
+    # the fp32 state (every dim-0 length of tiny divides by 4): 213568 elements in all, so
+    # 2 * (213568 * 2 + 213568 / 4 * 12) = 2 * (427136 + 640704) = 2135680 bytes.
+    assert s["network_bytes"] == 2135680
+    assert s["max_rank_recv_bytes"] == 1067840
+    assert s["members_added"] == ["2", "3"]
+    assert s["members_dropped"] == []
+    assert s["rounds"] >= 1
+    assert s["plan_seconds"] >= 0
+    old = Layout.create(TINY, ["0", "1"], dp=2)
+    new = Layout.create(TINY, ["0", "1", "2", "3"], dp=4, zero=1)
+    assert s["plan_hash"] == digest(old, new)
+    assert s["transfers"] == build_plan(TINY, old, new).network_pieces
+
+
+def test_human_output(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", "tiny", "--from", "dp=2", "--to", "dp=1"]) == 0
+    out = capsys.readouterr().out
+    fields = dict(line.split(": ", 1) for line in out.strip().splitlines())
+    assert fields["network_bytes"] == "0"  # member 0 stays and holds a full replica
+    assert fields["ranks_to"] == "1"
+    assert len(fields["plan_hash"]) == 64
+    assert main(["plan", "--model", "tiny", "--from", "", "--to", "tp=2", "--rank", "1"]) == 0
+    fields = dict(line.split(": ", 1) for line in capsys.readouterr().out.strip().splitlines())
+    assert fields["new_rank"] == "1"
+    assert fields["recv_bytes"] == str(107072 * 14)
+    assert fields["recvs"].endswith(" pieces")
+
+
+def test_drop_renumbers_remaining_members(capsys: pytest.CaptureFixture[str]) -> None:
+    # dp=4 -> dp=3 dropping member 1: members 0, 2, 3 take new ranks 0, 1, 2.
+    s = run_json(capsys, "--model", "tiny", "--from", "dp=4,zero=1", "--to", "dp=3,zero=1",
+                 "--drop", "1")  # fmt: skip
+    assert s["members_dropped"] == ["1"]
+    old = Layout.create(TINY, ["0", "1", "2", "3"], dp=4, zero=1)
+    assert s["plan_hash"] == digest(old, Layout.create(TINY, ["0", "2", "3"], dp=3, zero=1))
+    view = run_json(capsys, "--model", "tiny", "--from", "dp=4,zero=1", "--to", "dp=3,zero=1",
+                    "--drop", "1", "--rank", "2")  # fmt: skip
+    assert (view["old_rank"], view["new_rank"]) == (2, 1)
+
+
+def test_without_drop_a_smaller_layout_drops_the_highest(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    s = run_json(capsys, "--model", "tiny", "--from", "dp=4", "--to", "dp=2")
+    assert s["members_dropped"] == ["2", "3"]
+    old = Layout.create(TINY, ["0", "1", "2", "3"], dp=4)
+    assert s["plan_hash"] == digest(old, Layout.create(TINY, ["0", "1"], dp=2))
+
+
+def test_add_appends_members_numbered_after_the_old(capsys: pytest.CaptureFixture[str]) -> None:
+    # dp=4 -> tp=2,dp=3 (6 ranks): drop 0, keep 1, 2, 3, add 3 members numbered 4, 5, 6.
+    s = run_json(capsys, "--model", "tiny", "--from", "dp=4", "--to", "dp=3,tp=2",
+                 "--drop", "0", "--add", "3")  # fmt: skip
+    assert s["members_added"] == ["4", "5", "6"]
+    assert s["members_dropped"] == ["0"]
+    old = Layout.create(TINY, ["0", "1", "2", "3"], dp=4)
+    new = Layout.create(TINY, ["1", "2", "3", "4", "5", "6"], dp=3, tp=2)
+    assert s["plan_hash"] == digest(old, new)
+    assert s["network_bytes"] == s["lower_bound_bytes"] == build_plan(TINY, old, new).network_bytes
+
+
+def test_rank_view(capsys: pytest.CaptureFixture[str]) -> None:
+    # tp=1 -> tp=2 adds member 1, which receives 107072 elements * 14 bytes (see test_plan).
+    argv = ["--model", "tiny", "--from", "", "--to", "tp=2"]
+    view = run_json(capsys, *argv, "--rank", "1")
+    assert view["member"] == "1"
+    assert (view["old_rank"], view["new_rank"]) == (None, 1)
+    assert view["plan_seconds"] >= 0
+    assert view["recv_bytes"] == 107072 * 14
+    assert view["send_bytes"] == view["local_bytes"] == 0
+    assert view["sends"] == view["local"] == []
+    assert {e["peer"] for e in view["recvs"]} == {"0"}
+    assert sum(e["bytes"] for e in view["recvs"]) == view["recv_bytes"]
+    sender = run_json(capsys, *argv, "--rank", "0")
+    assert sender["send_bytes"] == 107072 * 14
+    assert sender["local_bytes"] == 107072 * 14
+    names = {e["tensor"] for e in sender["sends"]}
+    assert {"embed", "embed:master", "layers.3.mlp.down:exp_avg_sq"} <= names
+    box = next(e["box"] for e in sender["sends"] if e["tensor"] == "embed")
+    assert box == [[128, 256], [0, 64]]  # tp rank 1's half of the 256 vocabulary rows
+
+
+def test_rank_view_of_a_dropped_member(capsys: pytest.CaptureFixture[str]) -> None:
+    # dp=2 -> dp=1 under zero=1: member 1 leaves and sends its ZeRO shard (half of every fp32
+    # tensor of tiny, see test_plan): 213568 / 2 elements * 12 bytes = 1281408.
+    view = run_json(capsys, "--model", "tiny", "--from", "dp=2,zero=1", "--to", "zero=1",
+                    "--rank", "1")  # fmt: skip
+    assert (view["old_rank"], view["new_rank"]) == (1, None)
+    assert view["send_bytes"] == 1281408
+    assert view["recv_bytes"] == view["local_bytes"] == 0
+    assert {e["peer"] for e in view["sends"]} == {"0"}
+
+
+def test_replace_gives_the_rank_to_a_new_member(capsys: pytest.CaptureFixture[str]) -> None:
+    s = run_json(capsys, "--model", "tiny", "--from", "dp=3", "--to", "dp=3", "--replace", "1")
+    assert s["members_dropped"] == ["1"]
+    assert s["members_added"] == ["3"]
+    old = Layout.create(TINY, ["0", "1", "2"], dp=3)
+    assert s["plan_hash"] == digest(old, Layout.create(TINY, ["0", "3", "2"], dp=3))
+    # A full replica (213568 elements * 14 bytes) goes to the new member.
+    assert s["network_bytes"] == 213568 * 14
+
+
+def test_model_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "m.yaml"
+    path.write_text("name: mine\nvocab: 8\nhidden: 4\nlayers: 2\nheads: 2\nkv_heads: 1\n"
+                    "head_dim: 2\nffn: 4\n")  # fmt: skip
+    s = run_json(capsys, "--model", str(path), "--from", "pp=2", "--to", "dp=2")
+    assert s["model"] == "mine"
+    assert s["network_bytes"] == s["lower_bound_bytes"] > 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--model", "nope", "--from", "dp=1", "--to", "dp=2"], "unknown model 'nope'"),
+        (["--model", "tiny", "--from", "dq=1", "--to", "dp=2"], "bad item 'dq=1'"),
+        (["--model", "tiny", "--from", "dp=1", "--to", "tp=3"], "tp=3 must divide heads=4"),
+        (["--model", "tiny", "--from", "dp=2", "--to", "dp=1", "--drop", "2"], "--drop [2]"),
+        (["--model", "tiny", "--from", "dp=2", "--to", "dp=1", "--drop", "x"], "--drop 'x'"),
+        (["--model", "tiny", "--from", "dp=2", "--to", "dp=4", "--add", "1"],
+         "2 remaining members + 1 added != 4"),
+        (["--model", "tiny", "--from", "dp=2", "--to", "dp=2", "--add", "-1"], "--add -1"),
+        (["--model", "tiny", "--from", "dp=2", "--to", "dp=1", "--lost", "5"], "--lost [5]"),
+        # With --drop, surplus members are an error, not silently cut off.
+        (["--model", "tiny", "--from", "dp=4", "--to", "dp=2", "--drop", "0"],
+         "3 remaining members + 0 added != 2"),
+        (["--model", "tiny", "--from", "dp=1", "--to", "dp=2", "--budget", "0"], "budget '0'"),
+        (["--model", "tiny", "--from", "dp=1", "--to", "dp=2", "--budget", "lots"],
+         "budget 'lots'"),
+        (["--model", "tiny", "--from", "dp=1", "--to", "dp=2", "--budget", "1.5GiB"],
+         "budget '1.5GiB'"),
+        (["--model", "tiny", "--from", "dp=1", "--to", "dp=2", "--budget", "8"], "below one row"),
+        (["--model", "tiny", "--from", "dp=1", "--to", "dp=2", "--rank", "7"], "'7'"),
+        (["--model", "/nonexistent/m.yaml", "--from", "dp=1", "--to", "dp=2"],
+         "cannot read model file"),
+    ],
+)  # fmt: skip
+def test_errors(capsys: pytest.CaptureFixture[str], argv: list[str], fragment: str) -> None:
+    assert main(["plan", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("liveshard: error: ")
+    assert fragment in lines[0]
+
+
+@pytest.mark.parametrize(("text", "expected"), [("1GiB", 2**30), ("512MiB", 512 * 2**20),
+                                                ("2GB", 2 * 10**9), ("100000", 100000),
+                                                ("30k", 30000)])  # fmt: skip
+def test_budget_units(capsys: pytest.CaptureFixture[str], text: str, expected: int) -> None:
+    s = run_json(capsys, "--model", "tiny", "--from", "dp=1", "--to", "dp=2", "--budget", text)
+    assert s["budget_bytes"] == expected
+
+
+def test_console_script() -> None:
+    assert LIVESHARD.exists()
+    done = subprocess.run(
+        [str(LIVESHARD), "plan", "--model", "tiny", "--from", "dp=2,zero=1", "--to",
+         "dp=2,tp=2,zero=1", "--add", "2", "--json"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    s = json.loads(done.stdout)
+    assert set(s) >= KEYS
+    assert s["network_bytes"] == s["lower_bound_bytes"]
+    old = Layout.create(TINY, ["0", "1"], dp=2, zero=1)
+    new = Layout.create(TINY, ["0", "1", "2", "3"], dp=2, tp=2, zero=1)
+    assert s["plan_hash"] == digest(old, new)  # the same plan in another process
+    bad = subprocess.run(
+        [str(LIVESHARD), "plan", "--model", "tiny", "--from", "tp=3", "--to", "dp=1"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("liveshard: error: ")
+    assert bad.stdout == ""
+
+
+def test_lost_member_replaced_in_place(capsys: pytest.CaptureFixture[str]) -> None:
+    s = run_json(capsys, "--model", "tiny", "--from", "dp=4", "--to", "dp=4", "--lost", "2",
+                 "--replace", "2")  # fmt: skip
+    assert (s["members_lost"], s["members_dropped"], s["members_added"]) == (["2"], ["2"], ["4"])
+    # The fresh member needs a whole replica: 14 bytes per parameter, from the survivors.
+    assert s["network_bytes"] == s["lower_bound_bytes"] == TINY_STATE_BYTES
+
+
+def test_lost_shard_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["plan", "--model", "tiny", "--from", "dp=4,zero=1", "--to", "dp=3,zero=1",
+                 "--lost", "2"])  # fmt: skip
+    assert code == 2
+    assert "no surviving copy" in capsys.readouterr().err
