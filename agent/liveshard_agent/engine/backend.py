@@ -15,7 +15,14 @@ from datetime import timedelta
 from typing import Protocol, cast
 
 import torch
-from torch.distributed import AllreduceOptions, PrefixStore, ProcessGroupGloo, Store, Work
+from torch.distributed import (
+    AllreduceOptions,
+    AllToAllOptions,
+    PrefixStore,
+    ProcessGroupGloo,
+    Store,
+    Work,
+)
 
 
 class Group(Protocol):
@@ -26,6 +33,17 @@ class Group(Protocol):
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Work: ...
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Work: ...
     def allreduce(self, tensors: list[torch.Tensor], opts: AllreduceOptions) -> Work: ...
+    def allgather(
+        self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor]
+    ) -> Work: ...
+    def alltoall_base(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: AllToAllOptions,
+    ) -> Work: ...
     def abort(self) -> None: ...
 
 

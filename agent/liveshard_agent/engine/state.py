@@ -188,7 +188,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(BITS[t.element_size()])
 
 
-def _flat_index(shape: tuple[int, ...], box: Box, device: torch.device) -> torch.Tensor:
+def flat_index(shape: tuple[int, ...], box: Box, device: torch.device) -> torch.Tensor:
     """Global flat (row-major) index of every element of `box`, as an int64 tensor."""
     flat = torch.zeros((), dtype=torch.int64, device=device)
     stride = 1
@@ -210,7 +210,7 @@ def seeded_box(
 ) -> torch.Tensor:
     """The seeded content of `box` of logical tensor `ref`: a function of the global index only."""
     shape = spec.params[ref.param].shape
-    x = (_flat_index(shape, box, device) % _PRIME * 48271 + tensor_salt(spec, ref, seed)) % _PRIME
+    x = (flat_index(shape, box, device) % _PRIME * 48271 + tensor_salt(spec, ref, seed)) % _PRIME
     values = x.to(torch.float32) / _PRIME - 0.5
     return values.to(TORCH_DTYPES[spec.dtype(ref.kind)])
 

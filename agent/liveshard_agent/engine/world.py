@@ -34,6 +34,8 @@ class Axis(Enum):
     PP = "pp"
     EP = "ep"  # the ranks of one expert-dp index that together hold every expert
     EXPERT_DP = "expert_dp"  # the ranks with the same ep rank, across which expert shards are cut
+    EMBED = "embed"  # the first and the last stage's ranks of one (dp, tp): a tied embedding's
+    # two copies; only those stages belong to it (one member when pp is 1)
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,8 @@ class World:
             Axis.EP: (f"{pp_i}.{tp_i}.{expert_dp_i}", ep_i, layout.ep),
             Axis.EXPERT_DP: (f"{pp_i}.{tp_i}.{ep_i}", expert_dp_i, layout.dp // layout.ep),
         }
+        if pp_i in (0, layout.pp - 1):
+            axes[Axis.EMBED] = (f"{dp_i}.{tp_i}", 0 if pp_i == 0 else 1, min(layout.pp, 2))
         groups = {
             axis: new_group(
                 store,

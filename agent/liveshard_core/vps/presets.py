@@ -26,7 +26,8 @@ CONFIGS = {
         ),
         TransformerConfig(
             name="qwen3-235b-a22b", vocab=151936, hidden=4096, layers=94, heads=64, kv_heads=4,
-            head_dim=128, ffn=12288, experts=128, expert_ffn=1536, qk_norm=True,
+            head_dim=128, ffn=12288, experts=128, expert_ffn=1536, qk_norm=True, top_k=8,
+            rope_theta=1000000.0,
         ),
     )
 }  # fmt: skip

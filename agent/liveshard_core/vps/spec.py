@@ -117,6 +117,8 @@ class TransformerConfig:
     fused_qkv: bool = False  # one [q|k|v] tensor whose parts tp splits separately
     fused_gate_up: bool = False  # one [gate|up] tensor, likewise
     param_dtype: DType = DType.BF16
+    top_k: int = 2  # experts each token is routed to (MoE only)
+    rope_theta: float = 10000.0  # base of the rotary position frequencies
 
     def __post_init__(self) -> None:
         for field in _POSITIVE:
@@ -140,6 +142,13 @@ class TransformerConfig:
                 f"model {self.name!r}: experts={self.experts} and expert_ffn={self.expert_ffn} "
                 "must both be 0 (dense) or both >= 1 (MoE)"
             )
+        if type(self.top_k) is not int or self.top_k < 1 or self.top_k > (self.experts or 1 << 30):
+            raise InvalidInput(
+                f"model {self.name!r}: top_k={self.top_k!r} must be an integer between 1 and "
+                f"the number of experts ({self.experts})"
+            )
+        if not isinstance(self.rope_theta, int | float) or self.rope_theta <= 0:
+            raise InvalidInput(f"model {self.name!r}: rope_theta={self.rope_theta!r} must be > 0")
 
 
 def _attention(cfg: TransformerConfig, layer: int) -> list[Param]:

@@ -1,0 +1,458 @@
+"""`liveshard-local`: a job as local processes, with scripted live layout switches.
+
+    liveshard-local --model tiny --steps 60 --nprocs 4 --switch 20:tp=2,dp=2 --switch 40:pp=2,dp=2
+
+The launcher is the job's driver, as the operator is on Kubernetes: it hosts the job's store,
+starts one process per member (gloo on CPU, NCCL on GPUs), and for each scripted switch sends the
+change to every member of the old and the new layout as soon as the previous switch has ended, so
+the next world is prepared while the job trains; the members switch at the first step boundary
+at or after the scripted step at which all of them are prepared. A switch may change the member
+count: members beyond the new layout's size stand by (their processes stay up and can be brought
+back), and new members get a process of their own, started (pre-warmed) when the change is sent.
+
+Output: one JSON line per step (`"event": "step"`) and per switch (`"event": "switch"`), or a
+human-readable progress view when stdout is a terminal (`--json` forces JSON lines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any, cast
+
+import torch
+from torch.distributed import TCPStore
+
+from liveshard_core.cli import parse_bytes
+from liveshard_core.errors import InvalidInput
+from liveshard_core.layout.layout import Degrees, Layout, parse_degrees
+from liveshard_core.vps.presets import resolve_model
+from liveshard_core.vps.spec import DType, ModelSpec
+
+from ..engine.switch import Timeouts
+from .member import Change, Member
+from .settings import TrainingSettings
+
+HOST = "127.0.0.1"
+LOCAL_TIMEOUTS = Timeouts(op=60.0, switch=120.0, prepare=300.0)
+
+
+@dataclass(frozen=True)
+class ScriptedSwitch:
+    """Switch to `degrees` at `step`; `members` names the new layout's members in rank order
+    (by default the current members in order, then standing-by ones, then new ones)."""
+
+    step: int
+    degrees: Degrees
+    text: str
+    members: tuple[str, ...] | None = None
+
+
+def parse_switch(text: str) -> ScriptedSwitch:
+    """`STEP:LAYOUT`, e.g. `20:tp=2,dp=2`."""
+    step, sep, layout = text.partition(":")
+    if not sep or not step.strip().isdigit():
+        raise InvalidInput(f"--switch {text!r}: expected STEP:LAYOUT, e.g. 20:tp=2,dp=2")
+    return ScriptedSwitch(int(step), parse_degrees(layout), layout)
+
+
+@dataclass(frozen=True)
+class LocalJob:
+    model: str
+    nprocs: int
+    layout: Degrees
+    switches: tuple[ScriptedSwitch, ...]
+    settings: TrainingSettings
+    device: str
+    budget: int = 256 << 20
+    timeouts: Timeouts = LOCAL_TIMEOUTS
+    checksums: bool = False  # compare whole-state checksums around every switch (slower)
+    checkpoint_dir: str | None = None  # save a checkpoint to DIR/step-N every checkpoint_every
+    checkpoint_every: int = 0
+    resume: str | None = None  # start from this checkpoint (written in any layout)
+    record_samples: bool = False  # report the samples each replica fed in, every step
+    hooks: str | None = None  # "module:function" making each member's SwitchHooks (tests)
+    precision: str | None = None  # "fp32" or "bf16"; default: fp32 on CPU, the spec's on GPUs
+
+    def spec(self) -> ModelSpec:
+        """The model; by default on CPU its parameters are fp32 with no master copy (comparable
+        across layouts), on GPUs as the spec says (bf16 with an fp32 master)."""
+        spec = resolve_model(self.model)
+        precision = self.precision or ("fp32" if self.device == "cpu" else None)
+        if precision is None or spec.config.param_dtype is DType(precision):
+            return spec
+        return ModelSpec.from_config(dataclasses.replace(spec.config, param_dtype=DType(precision)))
+
+    def check(self) -> None:
+        """Reject, before any process starts, a layout the model or the global batch cannot use."""
+        spec = self.spec()
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise InvalidInput("--checkpoint-every needs --checkpoint-dir")
+        if self.layout.world_size != self.nprocs:
+            raise InvalidInput(
+                f"--layout {self.layout} has {self.layout.world_size} ranks, not --nprocs "
+                f"{self.nprocs}"
+            )
+        for label, degrees in [("--layout", self.layout)] + [
+            (f"--switch {s.step}:{s.text}", s.degrees) for s in self.switches
+        ]:
+            try:
+                degrees.layout(spec, [str(i) for i in range(degrees.world_size)])
+                self.settings.micro_batches(degrees.dp)
+            except InvalidInput as err:
+                raise InvalidInput(f"{label}: {err}") from None
+        if self.device == "cuda":
+            if not torch.cuda.is_available():
+                raise InvalidInput("--device cuda: no CUDA device is available")
+            most = max([self.nprocs] + [s.degrees.world_size for s in self.switches])
+            if most > torch.cuda.device_count():
+                raise InvalidInput(
+                    f"--device cuda: {most} members need {most} GPUs (NCCL wants one per "
+                    f"rank); {torch.cuda.device_count()} available"
+                )
+
+
+# ---- a member's process ----
+
+
+def _member_main(name: str, index: int, job: LocalJob, port: int, conn: Connection) -> None:
+    try:
+        torch.set_num_threads(1)
+        device = (
+            torch.device("cuda", index % torch.cuda.device_count())
+            if job.device == "cuda"
+            else torch.device("cpu")
+        )
+        store = TCPStore(HOST, port, None, False, timedelta(seconds=job.timeouts.op))
+        hooks = None
+        if job.hooks is not None:
+            module, _, function = job.hooks.partition(":")
+            hooks = getattr(importlib.import_module(module), function)(name)
+        member = Member(
+            name=name, spec=job.spec(), settings=job.settings, store=store, device=device,
+            timeouts=job.timeouts, job="local", checksums=job.checksums, hooks=hooks,
+        )  # fmt: skip
+        serve(member, conn, job)
+    except BaseException as err:
+        conn.send(("error", name, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+
+
+def serve(member: Member, conn: Connection, job: LocalJob) -> None:
+    """A member's loop: train while in a world, switch when due, obey the driver's commands."""
+    finished = False
+    while True:
+        busy = member.training and not member.done
+        if busy or (member.pending is not None and not member.training):
+            while conn.poll():
+                if not _obey(member, conn.recv()):
+                    return
+        else:
+            if member.done and not finished:
+                member.abandon()
+                conn.send(("done", member.name, member.step))
+                finished = True
+            if not _obey(member, conn.recv()):
+                return
+            continue
+        if member.training:
+            for message in _train_one_step(member, job):
+                conn.send(message)
+            event = member.at_boundary()
+        else:
+            event = member.join()
+        if event is not None:
+            conn.send(("switch", member.name, event.as_dict()))
+
+
+def _train_one_step(member: Member, job: LocalJob) -> list[tuple[str, dict[str, Any]]]:
+    """Train one step (and checkpoint after it, when due); the events this member reports."""
+    record = member.train_step()
+    layout = member.layout
+    assert layout is not None
+    speaks = layout.rank_of(member.name) == 0
+    out = []
+    if speaks:
+        step = {
+            "event": "step", "step": record.step, "loss": record.loss,
+            "layout": layout.describe(), "epoch": member.epoch,
+            "step_seconds": round(record.seconds, 6), "tokens": member.settings.tokens_per_step,
+            "aux_loss": record.aux_loss, "grad_norm": record.grad_norm, "lr": record.lr,
+        }  # fmt: skip
+        out.append(("event", step))
+    if job.record_samples and record.samples:
+        samples = {"event": "samples", "step": record.step, "member": member.name,
+                   "samples": list(record.samples)}  # fmt: skip
+        out.append(("event", samples))
+    if job.checkpoint_every and member.step % job.checkpoint_every == 0:
+        assert job.checkpoint_dir is not None
+        directory = os.path.join(job.checkpoint_dir, f"step-{member.step}")
+        seconds = member.checkpoint(directory)
+        if speaks:
+            saved = {"event": "checkpoint", "step": member.step, "path": directory,
+                     "seconds": round(seconds, 6)}  # fmt: skip
+            out.append(("event", saved))
+    return out
+
+
+def _obey(member: Member, command: tuple[Any, ...]) -> bool:
+    kind = command[0]
+    if kind == "start":
+        member.start(command[1])
+    elif kind == "restore":
+        member.restore(command[1], command[2])
+    elif kind == "request":
+        member.request(command[1])
+    elif kind == "stop":
+        return False
+    return True
+
+
+# ---- the driver ----
+
+
+@dataclass
+class _Process:
+    name: str
+    proc: Any
+    conn: Connection
+
+
+class Driver:
+    """Runs a `LocalJob`: its processes, its store, its scripted switches; `emit` gets every
+    event the job reports."""
+
+    def __init__(self, job: LocalJob, emit: Callable[[dict[str, Any]], None]) -> None:
+        job.check()
+        self.job, self.emit = job, emit
+        self.spec = job.spec()
+        self.ctx = mp.get_context("spawn")
+        self.store = TCPStore(
+            HOST, 0, None, True, timedelta(seconds=job.timeouts.op), wait_for_workers=False
+        )
+        self.processes: dict[str, _Process] = {}
+        self.names = (f"w{i}" for i in range(1 << 30))
+        self.layout: Layout | None = None
+        self.standby: list[str] = []
+        self.epoch = 0
+        self.script: Iterator[ScriptedSwitch] = iter(job.switches)
+        self.pending: Change | None = None
+
+    def _spawn(self, name: str) -> None:
+        parent, child = self.ctx.Pipe()
+        index = len(self.processes)
+        proc = self.ctx.Process(
+            target=_member_main, args=(name, index, self.job, self.store.port, child), daemon=True
+        )
+        proc.start()
+        child.close()
+        self.processes[name] = _Process(name, proc, parent)
+
+    def run(self) -> None:
+        try:
+            members = [next(self.names) for _ in range(self.job.nprocs)]
+            for name in members:
+                self._spawn(name)
+            self.layout = self.job.layout.layout(self.spec, members)
+            start = ("start", self.layout) if self.job.resume is None else (
+                "restore", self.layout, self.job.resume)  # fmt: skip
+            for name in members:
+                self.processes[name].conn.send(start)
+            self._request_next()
+            self._loop()
+        finally:
+            self.close()
+
+    def _request_next(self) -> None:
+        assert self.layout is not None
+        switch = next(self.script, None)
+        if switch is None:
+            self.pending = None
+            return
+        size = switch.degrees.world_size
+        current = list(self.layout.members)
+        if switch.members is not None:
+            members = list(switch.members)
+            self.standby = [m for m in self.standby if m not in members]
+        else:
+            members = current[:size]
+            while len(members) < size and self.standby:
+                members.append(self.standby.pop(0))
+            members += [next(self.names) for _ in range(size - len(members))]
+        for name in members:
+            if name not in self.processes:
+                self._spawn(name)  # pre-warm: it starts while the job trains
+        self.epoch += 1
+        change = Change(
+            epoch=self.epoch, old=self.layout, new=switch.degrees.layout(self.spec, members),
+            at_step=switch.step, budget=self.job.budget,
+        )  # fmt: skip
+        self.pending = change
+        for name in dict.fromkeys(current + members):
+            self.processes[name].conn.send(("request", change))
+
+    def _loop(self) -> None:
+        done: set[str] = set()
+        while True:
+            assert self.layout is not None
+            if set(self.layout.members) <= done:
+                return
+            conns = {p.conn: p for p in self.processes.values()}
+            for ready in wait(list(conns), timeout=1.0):
+                process = conns[cast(Connection, ready)]
+                try:
+                    message = process.conn.recv()
+                except (EOFError, OSError):
+                    raise RuntimeError(
+                        f"member {process.name} exited (code {process.proc.exitcode})"
+                    ) from None
+                kind = message[0]
+                if kind == "error":
+                    raise RuntimeError(f"member {message[1]} failed: {message[2]}")
+                if kind == "event":
+                    self.emit(message[1])
+                elif kind == "done":
+                    done.add(message[1])
+                elif kind == "switch" and message[2]["report"]:
+                    self._switched(message[2])
+
+    def _switched(self, event: dict[str, Any]) -> None:
+        change = self.pending
+        assert change is not None and self.layout is not None
+        out = {
+            k: v
+            for k, v in event.items()
+            if k not in ("report", "checksums", "from_layout", "to_layout", "switch_seconds")
+        }
+        out.update({"from": event["from_layout"], "to": event["to_layout"]})
+        if event["checksums"]:
+            out["checksums"] = event["checksums"]
+        out["switch_seconds"] = event["switch_seconds"]
+        self.emit({"event": "switch", **out})
+        if event["result"] == "committed":
+            left = [m for m in change.old.members if m not in change.new.ranks]
+            self.standby += left
+            self.layout = change.new
+        else:
+            joined = [m for m in change.new.members if m not in change.old.ranks]
+            self.standby += joined
+        self._request_next()
+
+    def close(self) -> None:
+        for process in self.processes.values():
+            with contextlib.suppress(BrokenPipeError, OSError):
+                process.conn.send(("stop",))
+        deadline = time.monotonic() + 10
+        for process in self.processes.values():
+            process.proc.join(max(deadline - time.monotonic(), 0.1))
+            if process.proc.is_alive():
+                process.proc.kill()
+
+
+def run_job(job: LocalJob) -> list[dict[str, Any]]:
+    """Run `job` to its end and return every event it reported, in order."""
+    events: list[dict[str, Any]] = []
+    Driver(job, events.append).run()
+    return events
+
+
+# ---- the command ----
+
+
+def _printer(as_json: bool) -> Callable[[dict[str, Any]], None]:
+    def emit(event: dict[str, Any]) -> None:
+        if as_json:
+            print(json.dumps(event), flush=True)
+        elif event["event"] == "step":
+            rate = event["tokens"] / max(event["step_seconds"], 1e-9)
+            print(f"step {event['step']:>5}  loss {event['loss']:.4f}  epoch {event['epoch']}  "
+                  f"{event['layout']}  {event['step_seconds'] * 1000:.0f} ms  "
+                  f"{rate:,.0f} tokens/s", flush=True)  # fmt: skip
+        else:
+            print(f"== switch at step {event['step']}: {event['from']} -> {event['to']}: "
+                  f"{event['result']}, pause {event['pause_seconds']:.3f} s, prepared in "
+                  f"{event['prepare_seconds']:.2f} s, {event['network_bytes'] / 1e6:.1f} MB "
+                  f"moved{'' if event['result'] == 'committed' else ': ' + event['reason']}",
+                  flush=True)  # fmt: skip
+
+    return emit
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="liveshard-local", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny", help="a preset name or a JSON/YAML model file")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--nprocs", type=int, default=4, help="members at the start")
+    parser.add_argument("--layout", help="the first layout (default dp=NPROCS)")
+    parser.add_argument("--switch", action="append", default=[], metavar="STEP:LAYOUT",
+                        help="switch to LAYOUT at step STEP (repeatable)")  # fmt: skip
+    parser.add_argument("--data", help="a file whose bytes are the training text")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--global-batch", type=int, default=TrainingSettings.global_batch)
+    parser.add_argument("--micro-batch", type=int, default=TrainingSettings.micro_batch)
+    parser.add_argument("--seq-len", type=int, default=TrainingSettings.seq_len)
+    parser.add_argument("--lr", type=float, default=TrainingSettings.lr)
+    parser.add_argument("--dropout", type=float, default=TrainingSettings.dropout)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                        help="default: cuda when available, else cpu")  # fmt: skip
+    parser.add_argument(
+        "--precision", choices=["fp32", "bf16"],
+        help="parameter dtype (default: fp32 on CPU, the model's on GPUs)",
+    )  # fmt: skip
+    parser.add_argument("--budget", default="256MiB", help="transfer buffer bytes per member")
+    parser.add_argument(
+        "--checksums", action="store_true",
+        help="digest whole-state checksums before and after each switch",
+    )  # fmt: skip
+    parser.add_argument("--checkpoint-dir", help="where --checkpoint-every saves (DIR/step-N)")
+    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                        help="save a checkpoint every N steps")  # fmt: skip
+    parser.add_argument("--resume", metavar="DIR",
+                        help="start from a checkpoint (saved in any layout)")  # fmt: skip
+    parser.add_argument("--json", action="store_true", help="JSON lines even on a terminal")
+    return parser
+
+
+def job_from_args(args: argparse.Namespace) -> LocalJob:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    settings = TrainingSettings(
+        global_batch=args.global_batch, micro_batch=args.micro_batch, seq_len=args.seq_len,
+        steps=args.steps, seed=args.seed, lr=args.lr, min_lr=min(args.lr / 10, args.lr),
+        dropout=args.dropout, data=args.data,
+    )  # fmt: skip
+    layout = parse_degrees(args.layout) if args.layout else Degrees(dp=args.nprocs)
+    return LocalJob(
+        model=args.model, nprocs=args.nprocs, layout=layout,
+        switches=tuple(parse_switch(s) for s in args.switch), settings=settings, device=device,
+        budget=parse_bytes(args.budget), checksums=args.checksums,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+        resume=args.resume, precision=args.precision,
+    )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        job = job_from_args(args)
+        Driver(job, _printer(args.json or not sys.stdout.isatty())).run()
+    except InvalidInput as err:
+        print(f"liveshard-local: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

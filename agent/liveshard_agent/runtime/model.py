@@ -1,0 +1,175 @@
+"""The decoder-only transformer, one pipeline stage of it on one rank, computing with the
+weights of the engine's sharded state.
+
+RMSNorm, attention with grouped KV heads, rotary positions and (where the spec has it) q/k norms,
+a SwiGLU MLP or a mixture of experts (`moe`), tied or untied embeddings. Tensor parallelism is
+Megatron's: column-parallel q, k, v (each part of a fused qkv split on its own), gate and up;
+row-parallel o and down; a vocabulary-parallel embedding and cross-entropy. Activations between
+layers are replicated across tp. Dropout, when on, masks each residual branch's output with
+counter-based randomness keyed by (seed, step, sample, layer, position, feature), so the mask of a
+sample does not depend on the layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+import torch.nn.functional as F
+
+from liveshard_core.vps.spec import ModelSpec
+
+from ..engine.world import Axis
+from . import comm, rng
+from .data import Batch
+from .moe import moe_forward
+from .settings import TrainingSettings
+from .weights import Weights
+
+_EPS = 1e-6
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    variance = x.float().square().mean(-1, keepdim=True)
+    return (x.float() * torch.rsqrt(variance + _EPS)).to(x.dtype) * weight
+
+
+def dropout_keep(
+    key: int, step: int, layer: int, samples: torch.Tensor, seq: int, features: int, p: float
+) -> torch.Tensor:
+    """Which elements dropout keeps, [samples, seq, features], for the given global sample
+    indices: a function of (key, step, layer, sample, position, feature) only."""
+    base = rng.key(key, step, layer)
+    index = (
+        samples.view(-1, 1, 1),
+        torch.arange(seq).view(1, -1, 1),
+        torch.arange(features).view(1, 1, -1),
+    )
+    return rng.uniform(base, *index) >= p
+
+
+@dataclass
+class Output:
+    """What a stage's forward returns: the hidden state for the next stage, or (last stage) the
+    sum of the tokens' cross-entropy and the MoE auxiliary loss, both unnormalised."""
+
+    hidden: torch.Tensor | None = None
+    loss_sum: torch.Tensor | None = None
+    aux: torch.Tensor | None = None
+
+
+class StageModel:
+    """This rank's stage: its layers, and the embedding and head if it holds them."""
+
+    def __init__(self, weights: Weights, settings: TrainingSettings) -> None:
+        self.weights = weights
+        self.settings = settings
+        self.spec: ModelSpec = weights.spec
+        self.cfg = weights.spec.config
+        layout, rank = weights.layout, weights.rank
+        pp_i, _, _ = layout.coords(rank)
+        self.first, self.last = pp_i == 0, pp_i == layout.pp - 1
+        start = sum(layout.pp_layers[:pp_i])
+        self.layers = range(start, start + layout.pp_layers[pp_i])
+        self.tp = weights.world.group(Axis.TP)
+        self.dropout_key = rng.key("dropout", settings.seed)
+
+    @cached_property
+    def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self.cfg.head_dim
+        inv = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        angles = torch.outer(torch.arange(self.settings.seq_len, dtype=torch.float64), inv)
+        device = self.weights.state.device
+        return angles.cos().float().to(device), angles.sin().float().to(device)
+
+    def forward(self, batch: Batch, hidden: torch.Tensor | None, step: int) -> Output:
+        if self.first:
+            x = self._embed(batch.inputs)
+        else:
+            assert hidden is not None
+            x = hidden
+        aux = torch.zeros((), device=x.device)
+        for layer in self.layers:
+            x = x + self._dropout(self._attention(layer, x), batch, step, 2 * layer)
+            mlp, layer_aux = self._mlp(layer, x)
+            aux = aux + layer_aux
+            x = x + self._dropout(mlp, batch, step, 2 * layer + 1)
+        if not self.last:
+            return Output(hidden=x, aux=aux)
+        return Output(loss_sum=self._loss(x, batch.targets), aux=aux)
+
+    # ---- pieces ----
+
+    def _w(self, name: str) -> list[torch.Tensor]:
+        return self.weights[name].tensors
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        weight = self.weights["embed"]
+        (start, stop), _ = weight.boxes[0]
+        local = tokens - start
+        mine = (local >= 0) & (local < stop - start)
+        x = F.embedding(local.clamp(0, stop - start - 1), weight.tensors[0]) * mine.unsqueeze(-1)
+        return comm.reduce_from(x, self.tp)
+
+    def _attention(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        prefix = f"layers.{layer}.attn."
+        h = comm.copy_to(rms_norm(x, self._w(prefix + "norm")[0]), self.tp)
+        if self.cfg.fused_qkv:
+            wq, wk, wv = self._w(prefix + "qkv")
+        else:
+            (wq,), (wk,), (wv,) = (self._w(prefix + n) for n in ("q", "k", "v"))
+        d = self.cfg.head_dim
+        batch, seq = x.shape[:2]
+        q = (h @ wq.T).view(batch, seq, -1, d)
+        k = (h @ wk.T).view(batch, seq, -1, d)
+        v = (h @ wv.T).view(batch, seq, -1, d)
+        if self.cfg.qk_norm:
+            q = rms_norm(q, self._w(prefix + "q_norm")[0])
+            k = rms_norm(k, self._w(prefix + "k_norm")[0])
+        q, k = self._rotate(q), self._rotate(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = out.transpose(1, 2).reshape(batch, seq, -1)
+        return comm.reduce_from(out @ self._w(prefix + "o")[0].T, self.tp)
+
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.rope
+        seq = x.shape[1]
+        cos, sin = cos[:seq, None, :], sin[:seq, None, :]
+        even, odd = x[..., 0::2].float(), x[..., 1::2].float()
+        out = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)
+        return out.flatten(-2).to(x.dtype)
+
+    def _mlp(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        prefix = f"layers.{layer}.mlp."
+        h = rms_norm(x, self._w(prefix + "norm")[0])
+        if self.cfg.experts:
+            return moe_forward(self, layer, h)
+        return self.swiglu(prefix, comm.copy_to(h, self.tp)), torch.zeros((), device=x.device)
+
+    def swiglu(self, prefix: str, h: torch.Tensor) -> torch.Tensor:
+        """A SwiGLU MLP (dense, or one expert) on input `h` already copied to the tp group."""
+        if self.cfg.fused_gate_up:
+            gate, up = self._w(prefix + "gate_up")
+        else:
+            (gate,), (up,) = self._w(prefix + "gate"), self._w(prefix + "up")
+        inner = F.silu(h @ gate.T) * (h @ up.T)
+        return comm.reduce_from(inner @ self._w(prefix + "down")[0].T, self.tp)
+
+    def _dropout(self, x: torch.Tensor, batch: Batch, step: int, layer: int) -> torch.Tensor:
+        p = self.settings.dropout
+        if p == 0:
+            return x
+        keep = dropout_keep(self.dropout_key, step, layer, batch.samples, x.shape[1], x.shape[2], p)
+        return x * keep.to(device=x.device, dtype=x.dtype) / (1 - p)
+
+    def _loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = comm.copy_to(rms_norm(x, self._w("final_norm")[0]), self.tp)
+        head = self.weights["lm_head" if "lm_head" in self.weights else "embed"]
+        (start, _), _ = head.boxes[0]
+        logits = x.reshape(-1, x.shape[-1]) @ head.tensors[0].T
+        return comm.vocab_parallel_cross_entropy(logits, targets.reshape(-1), start, self.tp).sum()

@@ -1,0 +1,113 @@
+"""AdamW on the exact ZeRO shards the core defines, with gradients summed over every replica and
+clipped by the global norm.
+
+Per step: gradients of weights that several ranks hold partially are summed first (q/k norms over
+tp, a tied embedding over its first and last stage), then every gradient is summed over its
+data-parallel replicas in one flat all-reduce per reduction axis. The global norm adds, over every
+shard, the squares of the gradient rows that the shard's lowest-ranked holder counts, so each
+element is counted once across all axes. Adam then updates this rank's shard of the fp32 state
+(the master copy, or the fp32 parameter itself when the model has no master), and the parameter
+rows of the shards are shared with the replicas (ZeRO-1) or left sharded for the next gather
+(ZeRO-3). Losses are normalised by the global token count, so gradients are sums, never dp means.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from liveshard_core.vps.spec import StateKind
+
+from ..engine.backend import Group
+from ..engine.world import Axis
+from . import comm
+from .settings import TrainingSettings
+from .weights import Weight, Weights, box_view
+
+
+@dataclass(frozen=True)
+class UpdateStats:
+    grad_norm: float
+    lr: float
+
+
+class Optimizer:
+    def __init__(self, weights: Weights, settings: TrainingSettings) -> None:
+        self.weights = weights
+        self.settings = settings
+        self.has_master = StateKind.MASTER in weights.spec.kinds
+
+    @torch.no_grad()
+    def step(self, step: int, adam_step: int) -> UpdateStats:
+        """Apply one update with learning rate `settings.learning_rate(step)`; `adam_step` is the
+        number of this update (1 for the first), for Adam's bias correction."""
+        weights, world = self.weights, self.weights.world
+        for w in weights.all():
+            for t in w.tensors:
+                if t.grad is None:
+                    t.grad = torch.zeros_like(t)
+            if w.tp_partial:
+                _sum_grads(w, world.group(Axis.TP))
+            if w.tied:
+                _sum_grads(w, world.group(Axis.EMBED))
+        grads: dict[str, list[torch.Tensor]] = {}
+        for axis, group in weights.by_reduce().items():
+            flat = torch.cat([t.grad.reshape(-1).float() for w in group for t in w.tensors])  # type: ignore[union-attr]
+            comm.all_reduce(flat, world.group(axis))
+            offset = 0
+            for w in group:
+                grads[w.name] = []
+                for t in w.tensors:
+                    grads[w.name].append(flat[offset : offset + t.numel()].view(t.shape))
+                    offset += t.numel()
+        norm = self._global_norm(grads)
+        scale = min(1.0, self.settings.clip_norm / (norm + 1e-6))
+        lr = self.settings.learning_rate(step)
+        for w in weights.all():
+            self._adam(w, grads[w.name], scale, lr, adam_step)
+            for t in w.tensors:
+                t.grad = None
+        if weights.layout.zero in (1, 2):
+            weights.sync_from_shards()
+        return UpdateStats(norm, lr)
+
+    def _global_norm(self, grads: dict[str, list[torch.Tensor]]) -> float:
+        total = torch.zeros(1, dtype=torch.float64, device=self.weights.state.device)
+        for w in self.weights.all():
+            for shard, counted in zip(w.shards, w.counted, strict=True):
+                if counted:
+                    total += box_view(w.boxes, grads[w.name], shard).double().square().sum()
+        comm.all_reduce(total, self.weights.world.group(Axis.WORLD))
+        return math.sqrt(float(total))
+
+    def _adam(
+        self, w: Weight, grads: list[torch.Tensor], scale: float, lr: float, adam_step: int
+    ) -> None:
+        s, state, spec = self.settings, self.weights.state, self.weights.spec
+        bias1 = 1 - s.beta1**adam_step
+        bias2 = 1 - s.beta2**adam_step
+        decay = s.weight_decay if len(w.param.shape) >= 2 else 0.0
+        for shard in w.shards:
+            grad = box_view(w.boxes, grads, shard) * scale
+            exp_avg = state.view(spec.ref(w.name, StateKind.EXP_AVG), shard)
+            exp_avg_sq = state.view(spec.ref(w.name, StateKind.EXP_AVG_SQ), shard)
+            exp_avg.mul_(s.beta1).add_(grad, alpha=1 - s.beta1)
+            exp_avg_sq.mul_(s.beta2).addcmul_(grad, grad, value=1 - s.beta2)
+            denom = (exp_avg_sq / bias2).sqrt_().add_(s.eps)
+            param = self.weights.param_view(w, shard)
+            value = (
+                state.view(spec.ref(w.name, StateKind.MASTER), shard) if self.has_master else param
+            )
+            if decay:
+                value.mul_(1 - lr * decay)
+            value.addcdiv_(exp_avg, denom, value=-lr / bias1)
+            if self.has_master:
+                param.copy_(value)
+
+
+def _sum_grads(w: Weight, group: Group) -> None:
+    for t in w.tensors:
+        assert t.grad is not None
+        comm.all_reduce(t.grad, group)

@@ -1,0 +1,148 @@
+"""A member's trainer in one world: its model, optimizer, data and the scalars of training.
+
+The scalars (`Scalars`: the next step, Adam's update count, the samples consumed, the seed) are
+carried explicitly: they are what a switch agrees on besides the tensors, what a checkpoint saves
+next to them, and what a joining member starts from. The data cursor is `samples`: step `s` of a
+job that never changed its global batch starts at sample `s * global_batch`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+
+from liveshard_core.errors import InvalidInput
+from liveshard_core.layout.layout import Layout
+from liveshard_core.vps.spec import ModelSpec, Param, StateKind
+
+from ..engine.state import ShardedState, flat_index
+from ..engine.world import World
+from . import rng
+from .data import Dataset
+from .model import StageModel
+from .optimizer import Optimizer
+from .pipeline import StepStats, train_step
+from .settings import TrainingSettings
+from .weights import Weights
+
+
+@dataclass(frozen=True)
+class Scalars:
+    """Training state that is not a tensor; identical on every member."""
+
+    step: int = 0  # the next step to train
+    adam_step: int = 0  # optimizer updates applied
+    samples: int = 0  # samples consumed: step * global_batch
+    seed: int = 0
+
+    def advanced(self, global_batch: int) -> Scalars:
+        return replace(
+            self, step=self.step + 1, adam_step=self.adam_step + 1,
+            samples=self.samples + global_batch,
+        )  # fmt: skip
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Scalars:
+        return cls(**{k: int(data[k]) for k in ("step", "adam_step", "samples", "seed")})
+
+
+def _std(param: Param, layers: int) -> float:
+    """Initial standard deviation: 0.02, residual outputs scaled down by depth; norms are 1."""
+    if len(param.shape) == 1:
+        return 0.0
+    if param.name.endswith((".o", ".down")):
+        return 0.02 / math.sqrt(2 * layers)
+    return 0.02
+
+
+@torch.no_grad()
+def initial_state(
+    spec: ModelSpec, layout: Layout, rank: int, seed: int, device: torch.device
+) -> ShardedState:
+    """The rank's boxes of the initial training state: parameters (and masters) from
+    counter-based randomness over their global index, moments zero. Any layout gets the same
+    values for the same global index."""
+    state = ShardedState.allocate(spec, layout, rank, device)
+    for ref, box, tensor in state.items():
+        if ref.kind not in (StateKind.PARAM, StateKind.MASTER):
+            continue
+        param = spec.params[ref.param]
+        std = _std(param, spec.config.layers)
+        if std == 0.0:
+            tensor.fill_(1.0)
+            continue
+        base = rng.key("init", seed, param.name)
+        index = flat_index(param.shape, box, device)
+        # Uniform with the wanted standard deviation: +-sqrt(3) * std.
+        values = (rng.uniform(base, index) * 2 - 1) * (3**0.5 * std)
+        tensor.copy_(values)
+    return state
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int
+    loss: float
+    aux_loss: float
+    grad_norm: float
+    lr: float
+    seconds: float
+    samples: tuple[int, ...]  # the samples this rank fed in (first stage, tp rank 0), else ()
+    agreement: tuple[float, ...]  # the step's agreement values summed over the world
+
+
+class Trainer:
+    """Trains one member's part of the model in one world."""
+
+    def __init__(
+        self,
+        *,
+        state: ShardedState,
+        world: World,
+        settings: TrainingSettings,
+        dataset: Dataset,
+        scalars: Scalars,
+    ) -> None:
+        if scalars.seed != settings.seed:
+            raise InvalidInput(f"scalars seed {scalars.seed} != settings seed {settings.seed}")
+        settings.micro_batches(state.layout.dp)  # rejects a layout the global batch cannot fill
+        self.settings = settings
+        self.dataset = dataset
+        self.scalars = scalars
+        self.bind(state, world)
+
+    def bind(self, state: ShardedState, world: World) -> None:
+        """Compute with `state` in `world` from now on (after a committed switch)."""
+        self.state, self.world = state, world
+        self.weights = Weights.build(state, world)
+        self.model = StageModel(self.weights, self.settings)
+        self.optimizer = Optimizer(self.weights, self.settings)
+
+    @property
+    def layout(self) -> Layout:
+        return self.state.layout
+
+    def step(self, agreement: tuple[float, ...] = ()) -> StepRecord:
+        """Train step `scalars.step` and advance the scalars; `agreement` values come back summed
+        over the world (see `pipeline.train_step`)."""
+        start = time.perf_counter()
+        scalars = self.scalars
+        stats: StepStats = train_step(
+            self.model, self.optimizer, self.dataset, step=scalars.step,
+            adam_step=scalars.adam_step + 1, first_sample=scalars.samples, agreement=agreement,
+        )  # fmt: skip
+        record = StepRecord(
+            step=self.scalars.step, loss=stats.loss, aux_loss=stats.aux_loss,
+            grad_norm=stats.update.grad_norm, lr=stats.update.lr,
+            seconds=time.perf_counter() - start, samples=stats.samples,
+            agreement=stats.agreement,
+        )  # fmt: skip
+        self.scalars = self.scalars.advanced(self.settings.global_batch)
+        return record

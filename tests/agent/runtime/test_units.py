@@ -1,0 +1,89 @@
+"""Single-process tests of the runtime's pieces: data order, randomness, settings, scalars."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the runtime needs torch (the agent extra)")
+
+from liveshard_agent.runtime import rng  # noqa: E402
+from liveshard_agent.runtime.data import Dataset, builtin_corpus, load_corpus  # noqa: E402
+from liveshard_agent.runtime.model import dropout_keep  # noqa: E402
+from liveshard_agent.runtime.settings import TrainingSettings  # noqa: E402
+from liveshard_agent.runtime.trainer import Scalars  # noqa: E402
+
+
+def test_builtin_corpus_is_fixed_text() -> None:
+    text = builtin_corpus()
+    assert len(text) == 1 << 20
+    assert text == builtin_corpus()
+    assert text.startswith(b"the ") and text.count(b". ") > 10_000
+
+
+def test_a_sample_is_a_function_of_seed_and_index_only() -> None:
+    data = Dataset(load_corpus(None), seq_len=16, seed=3)
+    whole = data.batch(100, 8)
+    assert whole.samples.tolist() == list(range(100, 108))
+    # The same samples fetched in other groupings (another dp, other micro-batches) are equal.
+    for first, count in ((100, 3), (103, 5)):
+        part = data.batch(first, count)
+        assert torch.equal(part.inputs, whole.inputs[first - 100 : first - 100 + count])
+    assert torch.equal(whole.targets[:, :-1], whole.inputs[:, 1:])
+    other = Dataset(load_corpus(None), seq_len=16, seed=4).batch(100, 8)
+    assert not torch.equal(other.inputs, whole.inputs)
+
+
+def test_data_file_and_errors(tmp_path: pytest.TempPathFactory) -> None:
+    path = tmp_path / "text.txt"  # type: ignore[operator]
+    path.write_bytes(b"abcdefghij" * 10)
+    data = Dataset(load_corpus(str(path)), seq_len=8, seed=0)
+    assert set(data.batch(0, 4).inputs.flatten().tolist()) <= set(b"abcdefghij")
+    with pytest.raises(ValueError, match="cannot read the data file"):
+        load_corpus(str(tmp_path / "missing"))  # type: ignore[operator]
+    with pytest.raises(ValueError, match=r"the data has 100 bytes; .* need at least 130"):
+        Dataset(load_corpus(str(path)), seq_len=128, seed=0)
+
+
+def test_dropout_masks_do_not_depend_on_the_layout() -> None:
+    """A sample's mask in a layer is the same whichever micro-batch or rank computes it."""
+    key = rng.key("dropout", 0)
+    together = dropout_keep(key, 5, 3, torch.tensor([40, 41, 42, 43]), 16, 32, 0.1)
+    apart = [dropout_keep(key, 5, 3, torch.tensor([s]), 16, 32, 0.1) for s in (42, 40)]
+    assert torch.equal(together[2], apart[0][0]) and torch.equal(together[0], apart[1][0])
+    assert 0.05 < 1 - together.float().mean().item() < 0.15  # about p of them dropped
+    assert not torch.equal(
+        together, dropout_keep(key, 6, 3, torch.tensor([40, 41, 42, 43]), 16, 32, 0.1)
+    )
+    assert not torch.equal(
+        together, dropout_keep(key, 5, 4, torch.tensor([40, 41, 42, 43]), 16, 32, 0.1)
+    )
+
+
+def test_uniform_values_are_spread() -> None:
+    values = rng.uniform(rng.key("x"), torch.arange(100_000))
+    assert values.min() >= 0 and values.max() < 1
+    assert abs(values.mean().item() - 0.5) < 0.01
+    assert torch.unique(values).numel() > 99_000
+
+
+def test_global_batch_must_divide_and_the_error_names_the_numbers() -> None:
+    settings = TrainingSettings(global_batch=24, micro_batch=2)
+    assert [settings.micro_batches(dp) for dp in (1, 2, 3, 4, 6)] == [12, 6, 4, 3, 2]
+    with pytest.raises(ValueError, match=r"global batch 24 does not divide into dp=5 .* 2 samples"):
+        settings.micro_batches(5)
+    with pytest.raises(ValueError, match="micro_batch=5 must divide global_batch=24"):
+        TrainingSettings(global_batch=24, micro_batch=5)
+
+
+def test_learning_rate_warms_up_then_decays() -> None:
+    s = TrainingSettings(lr=1e-3, min_lr=1e-4, warmup_steps=10, steps=110)
+    assert s.learning_rate(0) == pytest.approx(1e-4)
+    assert s.learning_rate(9) == pytest.approx(1e-3)
+    assert s.learning_rate(60) == pytest.approx(5.5e-4)
+    assert s.learning_rate(110) == pytest.approx(1e-4)
+
+
+def test_scalars_advance_together() -> None:
+    s = Scalars(seed=3).advanced(24).advanced(24)
+    assert (s.step, s.adam_step, s.samples, s.seed) == (2, 2, 48, 3)
+    assert Scalars.from_dict(s.as_dict()) == s
