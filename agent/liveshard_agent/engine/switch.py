@@ -136,6 +136,7 @@ class Reconfiguration:
         self.log = context_logger(log, job=job, epoch=epoch, member=member)
         self._phase = Phase.CREATED
         self._lock = threading.Lock()
+        self._prepared: Future[None] = Future()  # resolved by prepare_in_background
         # Built by prepare:
         self.plan: Plan | None = None
         self.schedule: Schedule | None = None
@@ -165,6 +166,7 @@ class Reconfiguration:
         self._advance((Phase.CREATED,), Phase.PREPARING)
         done: Future[None] = Future()
         done.set_running_or_notify_cancel()
+        self._prepared = done
 
         def finish(error: BaseException | None) -> None:
             with self._lock:
@@ -193,7 +195,7 @@ class Reconfiguration:
             # reconfiguration is freed (and its groups' threads with it) as soon as it is dropped.
             timer.cancel()
             finish(error)
-            if self._phase is Phase.FAILED:
+            if self._phase in (Phase.FAILED, Phase.ABORTED):  # late: drop what it built
                 self._release_prepared()
 
         timer.start()
@@ -272,8 +274,15 @@ class Reconfiguration:
             )
 
     def abort(self) -> None:
-        """Give up a prepared (or failed) reconfiguration without switching."""
-        self._advance((Phase.PREPARED, Phase.FAILED), Phase.ABORTED)
+        """Give up a reconfiguration before its switch, also while it is still preparing (its
+        future then fails with `PhaseError`, and what prepare builds is dropped when it ends)."""
+        with self._lock:
+            preparing = self._phase is Phase.PREPARING
+        self._advance((Phase.PREPARING, Phase.PREPARED, Phase.FAILED), Phase.ABORTED)
+        if preparing and not self._prepared.done():
+            self._prepared.set_exception(
+                PhaseError(f"epoch {self.epoch}: aborted by {self.member} while preparing")
+            )
         self._release_prepared()
 
     def _release_prepared(self) -> None:

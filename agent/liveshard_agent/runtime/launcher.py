@@ -42,8 +42,11 @@ from liveshard_core.vps.presets import resolve_model
 from liveshard_core.vps.spec import DType, ModelSpec
 
 from ..engine.switch import Timeouts
+from ..engine.world import StoreAddress
+from .loop import Command, Prepare, Start, Stop, run_member
 from .member import Change, Member
 from .settings import TrainingSettings
+from .trainer import StepRecord
 
 HOST = "127.0.0.1"
 LOCAL_TIMEOUTS = Timeouts(op=60.0, switch=120.0, prepare=300.0)
@@ -127,7 +130,19 @@ class LocalJob:
 # ---- a member's process ----
 
 
-def _member_main(name: str, index: int, job: LocalJob, port: int, conn: Connection) -> None:
+class _PipeInbox:
+    """The driver's commands, from the member's end of its pipe."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def get(self, timeout: float | None) -> Command | None:
+        if not self.conn.poll(timeout):
+            return None
+        return cast(Command, self.conn.recv())
+
+
+def _member_main(name: str, index: int, job: LocalJob, conn: Connection) -> None:
     try:
         torch.set_num_threads(1)
         device = (
@@ -135,88 +150,66 @@ def _member_main(name: str, index: int, job: LocalJob, port: int, conn: Connecti
             if job.device == "cuda"
             else torch.device("cpu")
         )
-        store = TCPStore(HOST, port, None, False, timedelta(seconds=job.timeouts.op))
         hooks = None
         if job.hooks is not None:
             module, _, function = job.hooks.partition(":")
             hooks = getattr(importlib.import_module(module), function)(name)
         member = Member(
-            name=name, spec=job.spec(), settings=job.settings, store=store, device=device,
+            name=name, spec=job.spec(), settings=job.settings, device=device,
             timeouts=job.timeouts, job="local", checksums=job.checksums, hooks=hooks,
         )  # fmt: skip
-        serve(member, conn, job)
+        run_member(member, _PipeInbox(conn), _reporter(name, job, conn), _checkpointer(job))
     except BaseException as err:
-        conn.send(("error", name, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+        message = f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
+        conn.send(("error", {"member": name, "message": message}))
 
 
-def serve(member: Member, conn: Connection, job: LocalJob) -> None:
-    """A member's loop: train while in a world, switch when due, obey the driver's commands."""
-    finished = False
-    while True:
-        busy = member.training and not member.done
-        if busy or (member.pending is not None and not member.training):
-            while conn.poll():
-                if not _obey(member, conn.recv()):
-                    return
+def _reporter(name: str, job: LocalJob, conn: Connection) -> Callable[[str, dict[str, Any]], None]:
+    """Sends the driver what it prints: steps from the world's rank 0, switches, checkpoints."""
+
+    def report(kind: str, event: dict[str, Any]) -> None:
+        if kind == "step":
+            record = event["record"]
+            if event["speaks"]:
+                conn.send(("event", _step_event(record, event["layout"], event["epoch"], job)))
+            if job.record_samples and record.samples:
+                samples = {"event": "samples", "step": record.step, "member": event["member"],
+                           "samples": list(record.samples)}  # fmt: skip
+                conn.send(("event", samples))
+        elif kind == "checkpoint":
+            if event["report"]:
+                saved = {k: event[k] for k in ("step", "path", "seconds")}
+                conn.send(("event", {"event": "checkpoint", **saved}))
         else:
-            if member.done and not finished:
-                member.abandon()
-                conn.send(("done", member.name, member.step))
-                finished = True
-            if not _obey(member, conn.recv()):
-                return
-            continue
-        if member.training:
-            for message in _train_one_step(member, job):
-                conn.send(message)
-            event = member.at_boundary()
-        else:
-            event = member.join()
-        if event is not None:
-            conn.send(("switch", member.name, event.as_dict()))
+            conn.send((kind, {"member": name, **event}))
+
+    return report
 
 
-def _train_one_step(member: Member, job: LocalJob) -> list[tuple[str, dict[str, Any]]]:
-    """Train one step (and checkpoint after it, when due); the events this member reports."""
-    record = member.train_step()
-    layout = member.layout
-    assert layout is not None
-    speaks = layout.rank_of(member.name) == 0
-    out = []
-    if speaks:
-        step = {
-            "event": "step", "step": record.step, "loss": record.loss,
-            "layout": layout.describe(), "epoch": member.epoch,
-            "step_seconds": round(record.seconds, 6), "tokens": member.settings.tokens_per_step,
-            "aux_loss": record.aux_loss, "grad_norm": record.grad_norm, "lr": record.lr,
-        }  # fmt: skip
-        out.append(("event", step))
-    if job.record_samples and record.samples:
-        samples = {"event": "samples", "step": record.step, "member": member.name,
-                   "samples": list(record.samples)}  # fmt: skip
-        out.append(("event", samples))
-    if job.checkpoint_every and member.step % job.checkpoint_every == 0:
-        assert job.checkpoint_dir is not None
-        directory = os.path.join(job.checkpoint_dir, f"step-{member.step}")
-        seconds = member.checkpoint(directory)
-        if speaks:
-            saved = {"event": "checkpoint", "step": member.step, "path": directory,
-                     "seconds": round(seconds, 6)}  # fmt: skip
-            out.append(("event", saved))
-    return out
+def _step_event(record: StepRecord, layout: str, epoch: int, job: LocalJob) -> dict[str, Any]:
+    return {
+        "event": "step", "step": record.step, "loss": record.loss, "layout": layout,
+        "epoch": epoch, "step_seconds": round(record.seconds, 6),
+        "tokens": job.settings.tokens_per_step, "aux_loss": record.aux_loss,
+        "grad_norm": record.grad_norm, "lr": record.lr,
+    }  # fmt: skip
 
 
-def _obey(member: Member, command: tuple[Any, ...]) -> bool:
-    kind = command[0]
-    if kind == "start":
-        member.start(command[1])
-    elif kind == "restore":
-        member.restore(command[1], command[2])
-    elif kind == "request":
-        member.request(command[1])
-    elif kind == "stop":
-        return False
-    return True
+def _checkpointer(job: LocalJob) -> Callable[[Member], None] | None:
+    """`--checkpoint-every N`: every member asks for a checkpoint after each N-th step."""
+    every = job.checkpoint_every
+    if not every:
+        return None
+    assert job.checkpoint_dir is not None
+    directory = job.checkpoint_dir
+
+    def before_step(member: Member) -> None:
+        after = member.step + 1
+        if after % every == 0:
+            path = os.path.join(directory, f"step-{after}")
+            member.request_checkpoint(after // every, path, at_step=after)
+
+    return before_step
 
 
 # ---- the driver ----
@@ -241,6 +234,7 @@ class Driver:
         self.store = TCPStore(
             HOST, 0, None, True, timedelta(seconds=job.timeouts.op), wait_for_workers=False
         )
+        self.address = StoreAddress(HOST, self.store.port)
         self.processes: dict[str, _Process] = {}
         self.names = (f"w{i}" for i in range(1 << 30))
         self.layout: Layout | None = None
@@ -253,7 +247,7 @@ class Driver:
         parent, child = self.ctx.Pipe()
         index = len(self.processes)
         proc = self.ctx.Process(
-            target=_member_main, args=(name, index, self.job, self.store.port, child), daemon=True
+            target=_member_main, args=(name, index, self.job, child), daemon=True
         )
         proc.start()
         child.close()
@@ -265,8 +259,7 @@ class Driver:
             for name in members:
                 self._spawn(name)
             self.layout = self.job.layout.layout(self.spec, members)
-            start = ("start", self.layout) if self.job.resume is None else (
-                "restore", self.layout, self.job.resume)  # fmt: skip
+            start = Start(self.layout, self.address, restore=self.job.resume)
             for name in members:
                 self.processes[name].conn.send(start)
             self._request_next()
@@ -300,7 +293,7 @@ class Driver:
         )  # fmt: skip
         self.pending = change
         for name in dict.fromkeys(current + members):
-            self.processes[name].conn.send(("request", change))
+            self.processes[name].conn.send(Prepare(change, self.address))
 
     def _loop(self) -> None:
         done: set[str] = set()
@@ -317,15 +310,15 @@ class Driver:
                     raise RuntimeError(
                         f"member {process.name} exited (code {process.proc.exitcode})"
                     ) from None
-                kind = message[0]
+                kind, event = message
                 if kind == "error":
-                    raise RuntimeError(f"member {message[1]} failed: {message[2]}")
+                    raise RuntimeError(f"member {event['member']} failed: {event['message']}")
                 if kind == "event":
-                    self.emit(message[1])
+                    self.emit(event)
                 elif kind == "done":
-                    done.add(message[1])
-                elif kind == "switch" and message[2]["report"]:
-                    self._switched(message[2])
+                    done.add(event["member"])
+                elif kind == "switch" and event["report"]:
+                    self._switched(event)
 
     def _switched(self, event: dict[str, Any]) -> None:
         change = self.pending
@@ -333,7 +326,8 @@ class Driver:
         out = {
             k: v
             for k, v in event.items()
-            if k not in ("report", "checksums", "from_layout", "to_layout", "switch_seconds")
+            if k
+            not in ("report", "checksums", "from_layout", "to_layout", "switch_seconds", "member")
         }
         out.update({"from": event["from_layout"], "to": event["to_layout"]})
         if event["checksums"]:
@@ -352,7 +346,7 @@ class Driver:
     def close(self) -> None:
         for process in self.processes.values():
             with contextlib.suppress(BrokenPipeError, OSError):
-                process.conn.send(("stop",))
+                process.conn.send(Stop())
         deadline = time.monotonic() + 10
         for process in self.processes.values():
             process.proc.join(max(deadline - time.monotonic(), 0.1))

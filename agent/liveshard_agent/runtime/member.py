@@ -1,33 +1,40 @@
 """A member: one agent's part of a job across worlds: standing by, training, preparing the next
-world in the background, and switching to it at an agreed step.
+world in the background, switching to it at an agreed step, and checkpointing at agreed steps.
 
 A reconfiguration (`Change`) reaches every member of the old and the new layout, each at its own
 moment. Each starts preparing it in the background; members of the old world keep training. In
 every step's last all-reduce (the loss's; no collective of its own) the old world's members add
-up which epoch each has pending and whether it is prepared or failed; when all have the same
-change pending and prepared, and the step has reached its `at_step`, they switch at this
-boundary, all at the same step (the decision is computed from the same reduced values
-everywhere). The old world's rank 0 announces the step and the training scalars in the store, so
-joining members (which do not train in the old world) switch with them, and every member checks
-its own scalars against the announced ones before it votes. On commit, members of the new layout
-train on from the same step in the new world; members that left stand by. On abort (or when any
-member failed to prepare), everyone keeps the old world and the reason is reported.
+up which epoch each has pending, at which step it may switch, and whether it is prepared or
+failed; when all have the same change pending and prepared with the same switch step, and the
+step has reached it, they switch at this boundary, all at the same step (the decision is computed
+from the same reduced values everywhere). A change may be held (no switch step yet) and released
+later (`set_switch_step`), or dropped (`drop`). The old world's rank 0 announces the step and the
+training scalars in the store, so joining members (which do not train in the old world) switch
+with them, and every member checks its own scalars against the announced ones before it votes. On
+commit, members of the new layout train on from the same step in the new world; members that left
+stand by. On abort (or when any member failed to prepare), everyone keeps the old world and the
+reason is reported. Checkpoints are agreed the same way (the same checkpoint number pending
+everywhere, its step reached), since saving one is a collective.
+
+The store a change's members meet in is the member's `store` when the change is requested; the
+caller sets it (`use_store`) for each epoch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
 import time
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
 from torch.distributed import ReduceOp, Store
 
+from liveshard_core.errors import InvalidInput
 from liveshard_core.layout.layout import Layout
 from liveshard_core.vps.spec import ModelSpec
 
@@ -43,6 +50,8 @@ from .trainer import Scalars, StepRecord, Trainer, initial_state
 
 log = logging.getLogger(__name__)
 
+HELD = -1  # a change's switch step while it is held
+
 
 @dataclass(frozen=True)
 class Change:
@@ -51,7 +60,7 @@ class Change:
     epoch: int
     old: Layout
     new: Layout
-    at_step: int = 0  # switch at the first step boundary >= this where every member is prepared
+    at_step: int = 0  # switch at the first boundary >= this where all are prepared; HELD: wait
     lost: frozenset[str] = frozenset()
     budget: int = 256 << 20
     verify: bool = True
@@ -80,6 +89,21 @@ class SwitchEvent:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class CheckpointEvent:
+    number: int
+    step: int
+    path: str
+    seconds: float
+    report: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+Event = SwitchEvent | CheckpointEvent
+
+
 @dataclass
 class _Pending:
     change: Change
@@ -87,6 +111,19 @@ class _Pending:
     future: Future[None]
     requested: float
     prepared: float | None = None
+
+
+@dataclass(frozen=True)
+class _Checkpoint:
+    number: int
+    path: str
+    at_step: int
+
+
+def _same(count: float, total: float, squares: float) -> bool:
+    """Whether `count` values with this sum and sum of squares are all equal (Cauchy-Schwarz;
+    exact in float64 for the small integers summed here)."""
+    return count * squares == total * total
 
 
 class Member:
@@ -98,15 +135,16 @@ class Member:
         name: str,
         spec: ModelSpec,
         settings: TrainingSettings,
-        store: Store,
         device: torch.device,
+        store: Store | None = None,
         timeouts: Timeouts | None = None,
         hooks: SwitchHooks | None = None,
         job: str = "",
         checksums: bool = False,
     ) -> None:
-        self.name, self.spec, self.settings, self.store = name, spec, settings, store
+        self.name, self.spec, self.settings = name, spec, settings
         self.device, self.job = device, job
+        self._store = store
         self.timeouts = timeouts or Timeouts()
         self.hooks = hooks or SwitchHooks()
         self.checksums = checksums  # compare whole-state checksum totals around each switch
@@ -114,15 +152,32 @@ class Member:
         self.trainer: Trainer | None = None
         self.epoch = -1
         self.pending: _Pending | None = None
+        self.checkpoint_due: _Checkpoint | None = None
+        self.last_loss: float | None = None
         self._announced: Scalars | None = None  # the scalars the switch's step was announced with
         self._agreement: tuple[float, ...] = ()  # the last step's summed readiness
+        self._joining_since: float | None = None
         self.log = context_logger(log, job=job, epoch=self.epoch, member=name)
 
     # ---- state ----
 
     @property
+    def store(self) -> Store:
+        if self._store is None:
+            raise RuntimeError(f"{self.name} has no store yet: no world or change was given one")
+        return self._store
+
+    def use_store(self, store: Store) -> None:
+        """The store of the next world or change."""
+        self._store = store
+
+    @property
     def training(self) -> bool:
         return self.trainer is not None
+
+    @property
+    def joining(self) -> bool:
+        return self.trainer is None and self.pending is not None
 
     @property
     def layout(self) -> Layout | None:
@@ -136,25 +191,18 @@ class Member:
     def done(self) -> bool:
         return self.trainer is not None and self.step >= self.settings.steps
 
+    @property
+    def speaks(self) -> bool:
+        """Whether this member is rank 0 of the world it trains in."""
+        return self.trainer is not None and self.trainer.layout.rank_of(self.name) == 0
+
     def start(self, layout: Layout, epoch: int = 0, scalars: Scalars | None = None) -> None:
-        """Join the job's first world (or one restored from a checkpoint) with the initial state."""
+        """Join the job's first world with the initial state."""
         world = self._world(layout, epoch)
         state = initial_state(
             self.spec, layout, layout.rank_of(self.name), self.settings.seed, self.device
         )
         self._train(state, world, scalars or Scalars(seed=self.settings.seed))
-
-    def _world(self, layout: Layout, epoch: int) -> World:
-        self.epoch = epoch
-        return World.build(
-            self.store, epoch=epoch, layout=layout, member=self.name, device=self.device,
-            timeout=self.timeouts.op,
-        )  # fmt: skip
-
-    def _train(self, state: Any, world: World, scalars: Scalars) -> None:
-        self.trainer = Trainer(
-            state=state, world=world, settings=self.settings, dataset=self.dataset, scalars=scalars
-        )
 
     def restore(self, layout: Layout, directory: str, epoch: int = 0) -> None:
         """Join a first world with the state and scalars of a checkpoint (written in any
@@ -166,9 +214,94 @@ class Member:
         )  # fmt: skip
         self._train(state, world, scalars)
 
+    def _world(self, layout: Layout, epoch: int) -> World:
+        if self.trainer is not None:
+            raise InvalidInput(f"{self.name} already trains in epoch {self.epoch}")
+        self.settings.micro_batches(layout.dp)  # refuse a layout the global batch cannot fill
+        self._set_epoch(epoch)
+        return World.build(
+            self.store, epoch=epoch, layout=layout, member=self.name, device=self.device,
+            timeout=self.timeouts.op,
+        )  # fmt: skip
+
+    def _set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.log = context_logger(log, job=self.job, epoch=epoch, member=self.name)
+
+    def _train(self, state: Any, world: World, scalars: Scalars) -> None:
+        self.trainer = Trainer(
+            state=state, world=world, settings=self.settings, dataset=self.dataset, scalars=scalars
+        )
+
+    # ---- training ----
+
+    def train_step(self) -> StepRecord:
+        """Train one step; its last all-reduce also carries this member's readiness for the
+        pending change and checkpoint (see `at_boundary`)."""
+        assert self.trainer is not None, f"{self.name} is standing by"
+        record = self.trainer.step(self._readiness())
+        self._agreement = record.agreement
+        self.last_loss = record.loss
+        return record
+
+    def _readiness(self) -> tuple[float, ...]:
+        pending, due = self.pending, self.checkpoint_due
+        epoch = pending.change.epoch if pending else -1
+        at_step = pending.change.at_step if pending else HELD
+        done = pending is not None and pending.future.done()
+        failed = done and pending is not None and pending.future.exception() is not None
+        number = due.number if due else -1
+        return (
+            1.0, epoch, epoch * epoch, float(done and not failed), float(failed),
+            at_step, at_step * at_step, number, number * number,
+        )  # fmt: skip
+
+    def at_boundary(self) -> list[Event]:
+        """Called by every training member after every step: checkpoint and switch if due, as
+        the values the step's all-reduce summed say (the same on every member)."""
+        trainer = self.trainer
+        assert trainer is not None, f"{self.name} is standing by"
+        boundary = time.perf_counter()
+        members, epochs, e2, ready, failed, at, at2, number, number2 = self._agreement
+        events: list[Event] = []
+        due = self.checkpoint_due
+        agreed = due is not None and number >= 0 and _same(members, number, number2)
+        if due is not None and agreed and trainer.scalars.step >= due.at_step:
+            events.append(self._checkpoint(due))
+        pending = self.pending
+        if pending is None or epochs < 0 or not _same(members, epochs, e2):
+            return events  # not every member has the same change pending yet
+        epoch = pending.change.epoch
+        if failed:
+            events.append(self._give_up(f"{int(failed)} member(s) failed to prepare epoch {epoch}"))
+            return events
+        if ready < members or at < 0 or not _same(members, at, at2):
+            return events
+        if trainer.scalars.step < at / members:  # every member's switch step is the same
+            return events
+        if self.speaks:
+            scalars = trainer.scalars.as_dict()
+            self._announce(epoch, {"step": trainer.scalars.step, "scalars": scalars})
+        announcement = self._announcement(epoch)
+        assert announcement is not None and "scalars" in announcement
+        self._announced = Scalars.from_dict(announcement["scalars"])
+        events.append(self._switch(boundary))
+        return events
+
+    # ---- checkpoints ----
+
+    def request_checkpoint(self, number: int, path: str, at_step: int) -> None:
+        """Save checkpoint `number` to `path` at the first boundary at or after `at_step` at which
+        every member of the world has asked for the same number."""
+        if self.checkpoint_due is not None and self.checkpoint_due.number >= number:
+            raise InvalidInput(
+                f"checkpoint {number}: checkpoint {self.checkpoint_due.number} is still due"
+            )
+        self.checkpoint_due = _Checkpoint(number, path, at_step)
+
     def checkpoint(self, directory: str) -> float:
-        """Save the job's state (every member of the world calls this at the same boundary);
-        returns the seconds it took."""
+        """Save the job's state now (every member of the world calls this at the same
+        boundary); returns the seconds it took."""
         trainer = self.trainer
         assert trainer is not None, f"{self.name} is standing by"
         start = time.perf_counter()
@@ -179,42 +312,70 @@ class Member:
         )  # fmt: skip
         return time.perf_counter() - start
 
-    def train_step(self) -> StepRecord:
-        """Train one step; its last all-reduce also carries this member's readiness for the
-        pending change (see `at_boundary`)."""
-        assert self.trainer is not None, f"{self.name} is standing by"
-        pending = self.pending
-        epoch = pending.change.epoch if pending else -1
-        done = pending is not None and pending.future.done()
-        failed = done and pending is not None and pending.future.exception() is not None
-        # Equal epochs everywhere iff n * sum(e^2) == sum(e)^2; exact in float64 for such ints.
-        record = self.trainer.step(
-            (1.0, epoch, epoch * epoch, float(done and not failed), float(failed))
-        )
-        self._agreement = record.agreement
-        return record
+    def _checkpoint(self, due: _Checkpoint) -> CheckpointEvent:
+        seconds = self.checkpoint(due.path)
+        self.checkpoint_due = None
+        return CheckpointEvent(due.number, self.step, due.path, round(seconds, 6), self.speaks)
 
     # ---- reconfiguration ----
 
     def request(self, change: Change) -> None:
         """Begin preparing `change` in the background (a member of either layout calls this)."""
         if self.pending is not None:
-            raise RuntimeError(
+            raise InvalidInput(
                 f"{self.name}: epoch {self.pending.change.epoch} is still pending; "
                 f"epoch {change.epoch} must wait for it"
             )
+        if change.epoch <= self.epoch:
+            raise InvalidInput(
+                f"{self.name}: epoch {change.epoch} is not after the current epoch {self.epoch}"
+            )
+        if self.trainer is not None and change.old != self.trainer.layout:
+            raise InvalidInput(
+                f"{self.name}: the change's old layout {change.old.describe()} is not the layout "
+                f"in effect, {self.trainer.layout.describe()}"
+            )
+        self.settings.micro_batches(change.new.dp)  # refuse a layout the global batch cannot fill
         reconfig = Reconfiguration(
             spec=self.spec, old=change.old, new=change.new, member=self.name, store=self.store,
             epoch=change.epoch, device=self.device, budget=change.budget, timeouts=self.timeouts,
             lost=change.lost, verify=change.verify, job=self.job,
             hooks=SwitchHooks(self.hooks.before_round, self._before_vote),
         )  # fmt: skip
-        self.settings.micro_batches(change.new.dp)  # refuse a layout the global batch cannot fill
         self.pending = _Pending(
             change, reconfig, reconfig.prepare_in_background(), time.perf_counter()
         )
         self.pending.future.add_done_callback(self._mark_prepared)
         self._announced = None
+        self._joining_since = None
+
+    def set_switch_step(self, epoch: int, at_step: int) -> None:
+        """Let the pending change `epoch` switch at the first boundary at or after `at_step`."""
+        pending = self._pending_epoch(epoch)
+        pending.change = dataclasses.replace(pending.change, at_step=at_step)
+
+    def drop(
+        self, epoch: int, reason: str = "dropped on request", cause: Cause = Cause.VOTE_NO
+    ) -> SwitchEvent:
+        """Give up the pending change `epoch` before its switch; joining members waiting for its
+        announcement are told. Safe at any moment: a switch needs every member to have it."""
+        pending = self._pending_epoch(epoch)
+        self.pending = None
+        pending.reconfig.abort()
+        if self.speaks:
+            self._announce(epoch, {"abort": reason})
+        return self._event(pending, "aborted", cause, reason, 0.0, self.speaks, {})
+
+    def abandon(self) -> None:
+        """Drop a pending change that will never be switched (the job ended first)."""
+        if self.pending is not None:
+            self.drop(self.pending.change.epoch, "the job ended before the switch")
+
+    def _pending_epoch(self, epoch: int) -> _Pending:
+        if self.pending is None or self.pending.change.epoch != epoch:
+            have = self.pending.change.epoch if self.pending else None
+            raise InvalidInput(f"{self.name}: epoch {epoch} is not pending (pending: {have})")
+        return self.pending
 
     def _mark_prepared(self, _: Future[None]) -> None:
         if self.pending is not None:
@@ -230,78 +391,48 @@ class Member:
                     f"training scalars {mine} differ from the announced {self._announced}"
                 )
 
-    def at_boundary(self) -> SwitchEvent | None:
-        """Called by every training member after every step: switch if the pending change is
-        due, as the values the step's all-reduce summed say (the same on every member)."""
-        pending, trainer = self.pending, self.trainer
-        assert trainer is not None, f"{self.name} is standing by"
-        boundary = time.perf_counter()
-        members, epochs, squares, ready, failed = self._agreement
-        if pending is None or members * squares != epochs * epochs or epochs < 0:
-            return None  # not every member has the same change pending yet
-        epoch = pending.change.epoch
-        if failed:
-            return self._give_up(f"{int(failed)} member(s) failed to prepare epoch {epoch}")
-        if ready < members or trainer.scalars.step < pending.change.at_step:
-            return None
-        if trainer.layout.rank_of(self.name) == 0:
-            scalars = trainer.scalars.as_dict()
-            self._announce(epoch, {"step": trainer.scalars.step, "scalars": scalars})
-        self._announced = Scalars.from_dict(self._read_announcement()["scalars"])
-        return self._switch(boundary)
-
-    def join(self) -> SwitchEvent:
-        """Called by a member that is not in the old world: wait for the announced step (or the
-        abort), then switch with the others."""
+    def join(self) -> SwitchEvent | None:
+        """Called repeatedly by a member that is not in the old world: switch with the others
+        once the step is announced; None while it is not (yet). A joining member waits at most
+        the prepare deadline after its own prepare ended."""
         pending = self.pending
         assert pending is not None and self.trainer is None
+        if not pending.future.done():
+            return None
         start = time.perf_counter()
-        try:
-            pending.future.result()
-        except Exception as err:
-            # The old world's members see the failure too and abort; nothing to switch.
-            return self._finish_aborted(
-                f"prepare failed: {err}", getattr(err, "cause", None), start
-            )
-        announcement = self._read_announcement()
+        if pending.future.exception() is not None:
+            # The old world's members see the failure too and drop the change.
+            error = pending.future.exception()
+            self.pending = None
+            cause = getattr(error, "cause", None)
+            return self._event(pending, "aborted", cause, f"prepare failed: {error}", 0, False, {})
+        announcement = self._announcement(pending.change.epoch, wait=False)
+        if announcement is None:
+            self._joining_since = self._joining_since or start
+            if start - self._joining_since < self.timeouts.prepare:
+                return None
+            announcement = {"abort": f"no switch was announced within {self.timeouts.prepare} s"}
         if "abort" in announcement:
-            pending.reconfig.abort()
-            return self._finish_aborted(announcement["abort"], Cause.VOTE_NO, start)
+            return self.drop(pending.change.epoch, announcement["abort"])
         self._announced = Scalars.from_dict(announcement["scalars"])
-        return self._switch(time.perf_counter())
+        return self._switch(start)
 
     def _announce(self, epoch: int, content: dict[str, Any]) -> None:
         self.store.set(f"liveshard/{epoch}/announce", json.dumps(content))
 
-    def _read_announcement(self) -> dict[str, Any]:
-        assert self.pending is not None
-        key = f"liveshard/{self.pending.change.epoch}/announce"
-        self.store.wait([key], timedelta(seconds=self.timeouts.prepare))
-        return dict(json.loads(self.store.get(key)))
+    def _announcement(self, epoch: int, wait: bool = True) -> dict[str, Any] | None:
+        key = f"liveshard/{epoch}/announce"
+        if not wait and not self.store.check([key]):
+            return None
+        return dict(json.loads(self.store.get(key)))  # get waits up to the store's timeout
 
     def _give_up(self, reason: str) -> SwitchEvent:
-        """Every old member abandons the pending change (some member failed to prepare)."""
-        pending, trainer = self.pending, self.trainer
-        assert pending is not None and trainer is not None
-        start = time.perf_counter()
-        try:
-            pending.future.result()  # bounded by the prepare deadline
-            own: Exception | None = None
-        except Exception as err:
-            own = err
-        pending.reconfig.abort()
-        if trainer.layout.rank_of(self.name) == 0:
-            self._announce(pending.change.epoch, {"abort": reason})
-        cause = getattr(own, "cause", None) or Cause.VOTE_NO
-        return self._finish_aborted(f"{reason}: {own}" if own else reason, cause, start)
-
-    def _finish_aborted(self, reason: str, cause: Cause | None, start: float) -> SwitchEvent:
+        """Every old member drops the pending change (some member failed to prepare)."""
         pending = self.pending
         assert pending is not None
-        self.pending = None
-        report = self.trainer is not None and self.trainer.layout.rank_of(self.name) == 0
-        pause = self._max_over_world(time.perf_counter() - start)
-        return self._event(pending, "aborted", cause, reason, pause, report, {})
+        own = pending.future.exception() if pending.future.done() else None
+        cause = getattr(own, "cause", None) or Cause.VOTE_NO
+        return self.drop(pending.change.epoch, f"{reason}: {own}" if own else reason, cause)
 
     def _switch(self, boundary: float) -> SwitchEvent:
         pending, trainer = self.pending, self.trainer
@@ -315,14 +446,13 @@ class Member:
         self.pending = None
         if not result.committed:
             assert trainer is not None and result.state is not None
-            trainer.bind(result.state, trainer.world)  # the same state object, kept as it was
+            trainer.bind(result.state, trainer.world)  # the same state, kept as it was
             pause = self._max_over_world(time.perf_counter() - boundary)
-            report = trainer.layout.rank_of(self.name) == 0
             return self._event(
-                pending, "aborted", result.cause, result.reason, pause, report, digests
-            )
-        self.epoch = change.epoch
-        self.log = context_logger(log, job=self.job, epoch=self.epoch, member=self.name)
+                pending, "aborted", result.cause, result.reason, pause, self.speaks, digests,
+                result,
+            )  # fmt: skip
+        self._set_epoch(change.epoch)
         if result.state is None or result.world is None:  # this member left
             self.trainer = None
             return self._event(
@@ -336,25 +466,9 @@ class Member:
         if self.checksums:
             digests["after"] = self._checksum_digest(result.state, result.world)
         pause = self._max_over_world(time.perf_counter() - boundary)
-        report = change.new.rank_of(self.name) == 0
         return self._event(
-            pending, "committed", None, result.reason, pause, report, digests, result
+            pending, "committed", None, result.reason, pause, self.speaks, digests, result
         )
-
-    def abandon(self) -> None:
-        """Drop a pending change that will never be switched (the job ended first); joining
-        members waiting for its announcement are told."""
-        pending, self.pending = self.pending, None
-        if pending is None:
-            return
-        try:
-            pending.future.result()
-        except Exception:
-            pass  # a failed prepare has nothing left to drop
-        else:
-            pending.reconfig.abort()
-        if self.trainer is not None and self.trainer.layout.rank_of(self.name) == 0:
-            self._announce(pending.change.epoch, {"abort": "the job ended before the switch"})
 
     # ---- helpers ----
 
@@ -385,6 +499,7 @@ class Member:
         change = pending.change
         prepared = pending.prepared or time.perf_counter()
         plan = pending.reconfig.plan
+        seconds = outcome.seconds if outcome else {}
         return SwitchEvent(
             epoch=change.epoch,
             step=self.step,
@@ -398,7 +513,5 @@ class Member:
             network_bytes=plan.network_bytes if plan is not None else 0,
             report=report,
             checksums=digests,
-            switch_seconds={
-                k: round(v, 6) for k, v in (outcome.seconds if outcome else {}).items()
-            },
+            switch_seconds={k: round(v, 6) for k, v in seconds.items()},
         )

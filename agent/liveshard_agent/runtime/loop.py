@@ -1,0 +1,160 @@
+"""A member's loop: train while in a world, switch and checkpoint when agreed, obey commands.
+
+The same loop runs under the local launcher (commands from the driver over a pipe) and in the
+agent's server (commands from gRPC calls): both feed an `Inbox` and take `report`ed events. A
+command that is refused (bad input, out of order) is reported as an `error` event naming it, and
+the member goes on as before.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Protocol
+
+from torch.distributed import Store, TCPStore
+
+from liveshard_core.errors import LiveshardError
+from liveshard_core.layout.layout import Layout
+
+from ..engine.world import StoreAddress
+from .member import Change, Member, SwitchEvent
+
+_JOIN_POLL = 0.01  # seconds between looks for a switch's announcement while joining
+
+
+@dataclass(frozen=True)
+class Start:
+    """Join the job's first world (from a checkpoint when `restore` names one)."""
+
+    layout: Layout
+    store: StoreAddress
+    epoch: int = 0
+    restore: str | None = None
+
+
+@dataclass(frozen=True)
+class Prepare:
+    """Prepare a change; its members meet in the store at `store`."""
+
+    change: Change
+    store: StoreAddress
+
+
+@dataclass(frozen=True)
+class SwitchAt:
+    epoch: int
+    at_step: int
+
+
+@dataclass(frozen=True)
+class Drop:
+    epoch: int
+
+
+@dataclass(frozen=True)
+class CheckpointAt:
+    number: int
+    path: str
+    at_step: int
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+Command = Start | Prepare | SwitchAt | Drop | CheckpointAt | Stop
+
+
+class Inbox(Protocol):
+    def get(self, timeout: float | None) -> Command | None:
+        """The next command: wait up to `timeout` seconds (None: until one comes; 0: do not)."""
+
+
+Report = Callable[[str, dict[str, Any]], None]
+
+
+class _Stores:
+    """Store clients by address, connected once each."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.clients: dict[StoreAddress, Store] = {}
+
+    def __call__(self, address: StoreAddress) -> Store:
+        if address not in self.clients:
+            self.clients[address] = TCPStore(
+                address.host, address.port, None, False, timedelta(seconds=self.timeout)
+            )
+        return self.clients[address]
+
+
+def run_member(
+    member: Member,
+    inbox: Inbox,
+    report: Report,
+    before_step: Callable[[Member], None] | None = None,
+) -> None:
+    """Run `member` until a `Stop` command. Reports `("step", ...)` after every step it trains,
+    `("switch", ...)` and `("checkpoint", ...)` as they happen, `("done", ...)` once when the job
+    has trained its last step, and `("error", ...)` for a refused command. `before_step` runs
+    before each step (a periodic checkpoint requested there is agreed in that very step)."""
+    stores = _Stores(member.timeouts.op)
+    finished = False
+    while True:
+        busy = member.training and not member.done
+        command = inbox.get(0 if busy or member.joining else None)
+        if isinstance(command, Stop):
+            return
+        if command is not None:
+            _obey(member, command, stores, report)
+            continue
+        if busy:
+            if before_step is not None:
+                before_step(member)
+            layout, epoch = member.layout, member.epoch
+            assert layout is not None
+            record = member.train_step()
+            report("step", {"record": record, "speaks": member.speaks, "member": member.name,
+                            "layout": layout.describe(), "epoch": epoch})  # fmt: skip
+            for event in member.at_boundary():
+                kind = "switch" if isinstance(event, SwitchEvent) else "checkpoint"
+                report(kind, event.as_dict())
+        elif member.joining:
+            switched = member.join()
+            if switched is None:
+                time.sleep(_JOIN_POLL)
+            else:
+                report("switch", switched.as_dict())
+        if member.done and not finished:
+            member.abandon()
+            report("done", {"step": member.step})
+            finished = True
+
+
+def _obey(member: Member, command: Command, stores: _Stores, report: Report) -> None:
+    try:
+        if isinstance(command, Start):
+            member.use_store(stores(command.store))
+            if command.restore is None:
+                member.start(command.layout, command.epoch)
+            else:
+                member.restore(command.layout, command.restore, command.epoch)
+        elif isinstance(command, Prepare):
+            member.use_store(stores(command.store))
+            member.request(command.change)
+        elif isinstance(command, SwitchAt):
+            member.set_switch_step(command.epoch, command.at_step)
+        elif isinstance(command, Drop):
+            report("switch", member.drop(command.epoch).as_dict())
+        elif isinstance(command, CheckpointAt):
+            member.request_checkpoint(command.number, command.path, command.at_step)
+    except LiveshardError as err:
+        report("error", {"command": type(command).__name__, "message": str(err)})
+    except RuntimeError as err:  # torch's: a peer that never came, a broken connection
+        report(
+            "error", {"command": type(command).__name__, "message": f"{type(err).__name__}: {err}"}
+        )
