@@ -1,0 +1,1 @@
+"""The generated Python code of liveshard's gRPC contract (proto/liveshard)."""

@@ -1,0 +1,1 @@
+"""liveshard gRPC contract, generated Python code: version 1 (`scripts/proto`)."""

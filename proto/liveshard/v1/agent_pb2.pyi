@@ -1,0 +1,236 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Layout(_message.Message):
+    __slots__ = ("dp", "tp", "pp", "ep", "zero", "pp_layers", "members")
+    DP_FIELD_NUMBER: _ClassVar[int]
+    TP_FIELD_NUMBER: _ClassVar[int]
+    PP_FIELD_NUMBER: _ClassVar[int]
+    EP_FIELD_NUMBER: _ClassVar[int]
+    ZERO_FIELD_NUMBER: _ClassVar[int]
+    PP_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    dp: int
+    tp: int
+    pp: int
+    ep: int
+    zero: int
+    pp_layers: _containers.RepeatedScalarFieldContainer[int]
+    members: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, dp: _Optional[int] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., ep: _Optional[int] = ..., zero: _Optional[int] = ..., pp_layers: _Optional[_Iterable[int]] = ..., members: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StoreAddress(_message.Message):
+    __slots__ = ("host", "port")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    port: int
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
+
+class Deadlines(_message.Message):
+    __slots__ = ("op_seconds", "switch_seconds", "prepare_seconds")
+    OP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SWITCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    op_seconds: float
+    switch_seconds: float
+    prepare_seconds: float
+    def __init__(self, op_seconds: _Optional[float] = ..., switch_seconds: _Optional[float] = ..., prepare_seconds: _Optional[float] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WatchStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HostStoreRequest(_message.Message):
+    __slots__ = ("epoch",)
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    def __init__(self, epoch: _Optional[int] = ...) -> None: ...
+
+class HostStoreResponse(_message.Message):
+    __slots__ = ("address",)
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    address: StoreAddress
+    def __init__(self, address: _Optional[_Union[StoreAddress, _Mapping]] = ...) -> None: ...
+
+class PrepareRequest(_message.Message):
+    __slots__ = ("epoch", "store", "to", "lost", "budget_bytes", "deadlines", "at_step", "restore_from")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
+    FROM_FIELD_NUMBER: _ClassVar[int]
+    TO_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEADLINES_FIELD_NUMBER: _ClassVar[int]
+    AT_STEP_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_FROM_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    store: StoreAddress
+    to: Layout
+    lost: _containers.RepeatedScalarFieldContainer[str]
+    budget_bytes: int
+    deadlines: Deadlines
+    at_step: int
+    restore_from: str
+    def __init__(self, epoch: _Optional[int] = ..., store: _Optional[_Union[StoreAddress, _Mapping]] = ..., to: _Optional[_Union[Layout, _Mapping]] = ..., lost: _Optional[_Iterable[str]] = ..., budget_bytes: _Optional[int] = ..., deadlines: _Optional[_Union[Deadlines, _Mapping]] = ..., at_step: _Optional[int] = ..., restore_from: _Optional[str] = ..., **kwargs) -> None: ...
+
+class PrepareResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SwitchRequest(_message.Message):
+    __slots__ = ("epoch", "at_step")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    AT_STEP_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    at_step: int
+    def __init__(self, epoch: _Optional[int] = ..., at_step: _Optional[int] = ...) -> None: ...
+
+class SwitchResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("epoch",)
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    def __init__(self, epoch: _Optional[int] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CheckpointRequest(_message.Message):
+    __slots__ = ("number", "path", "at_step")
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    AT_STEP_FIELD_NUMBER: _ClassVar[int]
+    number: int
+    path: str
+    at_step: int
+    def __init__(self, number: _Optional[int] = ..., path: _Optional[str] = ..., at_step: _Optional[int] = ...) -> None: ...
+
+class CheckpointResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AgentStatus(_message.Message):
+    __slots__ = ("member", "phase", "ready", "epoch", "step", "layout", "loss", "pending", "last_switch", "last_checkpoint", "message", "terminating", "steps")
+    class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        PHASE_UNSPECIFIED: _ClassVar[AgentStatus.Phase]
+        STARTING: _ClassVar[AgentStatus.Phase]
+        STANDBY: _ClassVar[AgentStatus.Phase]
+        JOINING: _ClassVar[AgentStatus.Phase]
+        TRAINING: _ClassVar[AgentStatus.Phase]
+        DONE: _ClassVar[AgentStatus.Phase]
+        FAILED: _ClassVar[AgentStatus.Phase]
+    PHASE_UNSPECIFIED: AgentStatus.Phase
+    STARTING: AgentStatus.Phase
+    STANDBY: AgentStatus.Phase
+    JOINING: AgentStatus.Phase
+    TRAINING: AgentStatus.Phase
+    DONE: AgentStatus.Phase
+    FAILED: AgentStatus.Phase
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    LAST_SWITCH_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TERMINATING_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    member: str
+    phase: AgentStatus.Phase
+    ready: bool
+    epoch: int
+    step: int
+    layout: Layout
+    loss: float
+    pending: Pending
+    last_switch: SwitchSummary
+    last_checkpoint: CheckpointSummary
+    message: str
+    terminating: bool
+    steps: int
+    def __init__(self, member: _Optional[str] = ..., phase: _Optional[_Union[AgentStatus.Phase, str]] = ..., ready: _Optional[bool] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., loss: _Optional[float] = ..., pending: _Optional[_Union[Pending, _Mapping]] = ..., last_switch: _Optional[_Union[SwitchSummary, _Mapping]] = ..., last_checkpoint: _Optional[_Union[CheckpointSummary, _Mapping]] = ..., message: _Optional[str] = ..., terminating: _Optional[bool] = ..., steps: _Optional[int] = ...) -> None: ...
+
+class Pending(_message.Message):
+    __slots__ = ("epoch", "state", "at_step", "reason")
+    class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STATE_UNSPECIFIED: _ClassVar[Pending.State]
+        PREPARING: _ClassVar[Pending.State]
+        PREPARED: _ClassVar[Pending.State]
+        FAILED: _ClassVar[Pending.State]
+    STATE_UNSPECIFIED: Pending.State
+    PREPARING: Pending.State
+    PREPARED: Pending.State
+    FAILED: Pending.State
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    AT_STEP_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    state: Pending.State
+    at_step: int
+    reason: str
+    def __init__(self, epoch: _Optional[int] = ..., state: _Optional[_Union[Pending.State, str]] = ..., at_step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class SwitchSummary(_message.Message):
+    __slots__ = ("epoch", "step", "result", "cause", "reason", "to", "pause_seconds", "prepare_seconds", "network_bytes")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    FROM_FIELD_NUMBER: _ClassVar[int]
+    TO_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    step: int
+    result: str
+    cause: str
+    reason: str
+    to: str
+    pause_seconds: float
+    prepare_seconds: float
+    network_bytes: int
+    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., result: _Optional[str] = ..., cause: _Optional[str] = ..., reason: _Optional[str] = ..., to: _Optional[str] = ..., pause_seconds: _Optional[float] = ..., prepare_seconds: _Optional[float] = ..., network_bytes: _Optional[int] = ..., **kwargs) -> None: ...
+
+class CheckpointSummary(_message.Message):
+    __slots__ = ("number", "step", "path", "seconds")
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    number: int
+    step: int
+    path: str
+    seconds: float
+    def __init__(self, number: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
