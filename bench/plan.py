@@ -1,7 +1,14 @@
-"""Planning benchmark: whole-plan, one-member-view and schedule times for real model shapes.
+"""Planning benchmark: plans, schedules, member assignment and the layout policy at scale.
 
 Prints one JSON object per measurement (and writes them all to --out when given). Each time is the
-best of --repeat runs in this process, on one core (planning is single-threaded Python).
+best of --repeat runs in this process, on one core (planning is single-threaded Python, numpy for
+the assignment).
+
+- `"kind": "plan"`: whole-plan, one-member-view and schedule times for real model shapes (the
+  new layout keeps the old members in order);
+- `"kind": "assign"`: the best member assignment against the in-order one and the lower bound
+  (network bytes), the assignment's time and the time of assignment plus plan;
+- `"kind": "policy"`: `choose_layout` for a member count, with and without a current layout.
 
     python bench/plan.py [--quick] [--repeat 3] [--out bench/results/plan.json]
 """
@@ -16,10 +23,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from liveshard_core.assign.assign import Problem
 from liveshard_core.layout.layout import Layout, parse_degrees
 from liveshard_core.plan.plan import build_plan
 from liveshard_core.plan.schedule import build_schedule
 from liveshard_core.plan.view import plan_view
+from liveshard_core.policy.layout import Constraints, choose_layout
 from liveshard_core.vps.presets import preset
 from liveshard_core.vps.spec import ModelSpec, TransformerConfig
 
@@ -62,6 +71,7 @@ def measure(
     (plan, digest), plan_seconds = best(whole, repeat)
     schedule, schedule_seconds = best(lambda: build_schedule(plan, BUDGET), repeat)
     out: dict[str, Any] = {
+        "kind": "plan",
         "model": spec.config.name,
         "from": old_text,
         "to": new_text,
@@ -106,18 +116,130 @@ def cases(quick: bool) -> list[tuple[ModelSpec, str, str, bool]]:
     return out
 
 
+def measure_assign(
+    spec: ModelSpec, old_text: str, new_text: str, drop: range, repeat: int
+) -> dict[str, Any]:
+    """Best against in-order assignment when the members in `drop` leave (old member numbers)."""
+    old_degrees, new_degrees = parse_degrees(old_text), parse_degrees(new_text)
+    old = old_degrees.layout(spec, [str(i) for i in range(old_degrees.world_size)])
+    survivors = [i for i in range(old.world_size) if i not in drop]
+    joiners = max(new_degrees.world_size - len(survivors), 0)
+
+    def decide() -> Any:
+        problem = Problem(spec, old, new_degrees)
+        return problem, problem.best(survivors, joiners)
+
+    (problem, best_choice), assign_seconds = best(decide, repeat)
+    taking = new_degrees.world_size - joiners
+    ordered = problem.given([*survivors[:taking], *([None] * joiners)], survivors)
+    fresh = iter(range(old.world_size, 10**9))
+    members = [str(m) if m is not None else str(next(fresh)) for m in best_choice.members_to]
+    new = new_degrees.layout(spec, members)
+
+    def whole() -> Any:
+        plan = build_plan(spec, old, new)
+        return plan, plan.digest
+
+    (plan, _), plan_seconds = best(whole, repeat)
+    assert plan.network_bytes == best_choice.network_bytes
+    lower = best_choice.lower_bound_bytes
+    return {
+        "kind": "assign",
+        "model": spec.config.name,
+        "from": old_text,
+        "to": new_text,
+        "members_dropped": f"{drop.start}-{drop.stop - 1}" if drop else "",
+        "ranks_from": old.world_size,
+        "ranks_to": new.world_size,
+        "best_network_bytes": best_choice.network_bytes,
+        "ordered_network_bytes": ordered.network_bytes,
+        "lower_bound_bytes": lower,
+        "fewer_than_ordered": round(1 - best_choice.network_bytes / ordered.network_bytes, 4),
+        "above_lower_bound": round(best_choice.network_bytes / lower - 1, 5) if lower else 0.0,
+        "spares": len(best_choice.spares),
+        "assign_seconds": round(assign_seconds, 4),
+        "plan_seconds": round(plan_seconds, 4),
+        "assign_and_plan_seconds": round(assign_seconds + plan_seconds, 4),
+    }
+
+
+def measure_policy(
+    spec: ModelSpec, members: int, current: str | None, repeat: int, **constraints: Any
+) -> dict[str, Any]:
+    layout = None
+    if current is not None:
+        degrees = parse_degrees(current)
+        layout = degrees.layout(spec, [str(i) for i in range(degrees.world_size)])
+    choice, seconds = best(
+        lambda: choose_layout(spec, members, Constraints(**constraints), None, layout), repeat
+    )
+    return {
+        "kind": "policy",
+        "model": spec.config.name,
+        "members": members,
+        "from": current,
+        "constraints": constraints,
+        "layout": choice.describe(),
+        "spares": len(choice.spares),
+        "candidates": choice.candidates,
+        "step_seconds": round(choice.estimate.step_seconds, 3),
+        "memory_bytes": choice.estimate.memory,
+        "bytes_to_move": choice.bytes_to_move,
+        "policy_seconds": round(seconds, 4),
+    }
+
+
+def assign_cases(quick: bool) -> list[tuple[ModelSpec, str, str, range]]:
+    llama, qwen = preset("llama-70b"), preset("qwen3-235b-a22b")
+    out = [
+        # One node (members 40-47: stage 0, dp index 5) leaves a 1024-rank job.
+        (llama, "tp=8,pp=8,dp=16,zero=1", "tp=8,pp=8,dp=15,zero=1", range(40, 48)),
+        (llama, "tp=8,pp=8,dp=16,zero=1", "tp=8,pp=4,dp=30,zero=1", range(0)),
+        (qwen, "tp=4,pp=8,dp=32,ep=8,zero=1", "tp=4,pp=8,dp=24,ep=8,zero=1", range(0)),
+    ]
+    if not quick:
+        out += [
+            (llama, "tp=8,pp=8,dp=128,zero=1", "tp=8,pp=8,dp=127,zero=1", range(40, 48)),
+            (llama, "tp=8,pp=8,dp=128,zero=1", "tp=8,pp=4,dp=254,zero=1", range(0)),
+        ]
+    return out
+
+
+def policy_cases(quick: bool) -> list[tuple[ModelSpec, int, str | None, dict[str, Any]]]:
+    llama, qwen = preset("llama-70b"), preset("qwen3-235b-a22b")
+    out: list[tuple[ModelSpec, int, str | None, dict[str, Any]]] = [
+        (llama, 1016, None, {"tp": 8, "global_batch": 1920}),
+        (llama, 1016, "tp=8,pp=8,dp=16,zero=1", {"tp": 8, "global_batch": 1920}),
+        (qwen, 1024, None, {"tp": 4}),
+    ]
+    if not quick:
+        out += [
+            (llama, 8184, None, {"tp": 8, "global_batch": 15360}),
+            (llama, 8184, "tp=8,pp=8,dp=128,zero=1", {"tp": 8, "global_batch": 15360}),
+        ]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="the two headline cases only")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--out", help="also write all results to this JSON file")
     args = parser.parse_args()
+    machine = f"{platform.machine()} {platform.processor() or ''}".strip()
     results = []
-    for spec, old, new, view in cases(args.quick):
-        result = measure(spec, old, new, args.repeat, view)
-        result["machine"] = f"{platform.machine()} {platform.processor() or ''}".strip()
+
+    def emit(result: dict[str, Any]) -> None:
+        result["machine"] = machine
         results.append(result)
         print(json.dumps(result), flush=True)
+
+    for spec, old, new, view in cases(args.quick):
+        emit(measure(spec, old, new, args.repeat, view))
+    for spec, old, new, drop in assign_cases(args.quick):
+        emit(measure_assign(spec, old, new, drop, args.repeat))
+    for spec, members, current, constraints in policy_cases(args.quick):
+        emit(measure_policy(spec, members, current, args.repeat, **constraints))
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:

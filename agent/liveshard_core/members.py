@@ -8,18 +8,36 @@ members after the old ones. A `MemberChange` says what happens to them:
   and the plan takes every byte from surviving copies;
 - `add`: how many new members join, appended after the remaining ones; by default as many as the
   new layout still needs.
-With neither `drop` nor `replace`, a new layout smaller than the remaining members drops the
-highest-numbered ones; with either, surplus members are an error.
+
+Which survivor takes which new rank is the *assignment* (`Assign`):
+- `ORDERED`: the remaining members, in order, take the new layout's ranks from 0 (a replaced
+  member's rank goes to its replacement); with neither `drop` nor `replace`, a new layout smaller
+  than the remaining members leaves out the highest-numbered ones; with either, surplus members
+  are an error;
+- `BEST` (the default of `liveshard plan`): the assignment with the fewest network bytes
+  (`assign`), ties broken by the busiest receiver; survivors that no rank needs stay as spares.
+  When the in-order assignment (surplus survivors cut from the end) is as good on both counts,
+  it is the one taken, so members change places only when that moves fewer bytes. Replaced
+  members leave, and their replacements join like added members.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from enum import Enum
 
+from .assign.assign import Assignment, Problem
 from .errors import InvalidInput
 from .layout.layout import Degrees, Layout
 from .vps.spec import ModelSpec
+
+
+class Assign(Enum):
+    """How survivors take the new layout's ranks (module docstring)."""
+
+    BEST = "best"
+    ORDERED = "ordered"
 
 
 @dataclass(frozen=True)
@@ -52,11 +70,7 @@ def apply_change(
 ) -> tuple[Layout, Layout]:
     """The old and new layout with members numbered as the module docstring says."""
     old = old_degrees.layout(spec, old_members(old_degrees.world_size))
-    for field, numbers in (("drop", change.drop), ("replace", change.replace),
-                           ("lost", change.lost)):  # fmt: skip
-        bad = sorted({n for n in numbers if not 0 <= n < old.world_size})
-        if bad:
-            raise InvalidInput(f"--{field} {bad}: members are numbered 0..{old.world_size - 1}")
+    _check_numbers(old, change)
     # A lost member may also be replaced; otherwise it leaves like a dropped one.
     leaving = {*change.drop, *(n for n in change.lost if n not in change.replace)}
     fresh = (str(n) for n in itertools.count(old.world_size))
@@ -76,3 +90,81 @@ def apply_change(
             f"{len(staying)} remaining members + {add} added != {need} ranks of the new layout"
         )
     return old, new_degrees.layout(spec, staying + [next(fresh) for _ in range(add)])
+
+
+@dataclass(frozen=True)
+class Change:
+    """A member change resolved into layouts, with the figures of both assignments."""
+
+    old: Layout
+    new: Layout
+    assign: Assign
+    chosen: Assignment  # the assignment `new` follows
+    best: Assignment
+    ordered: Assignment  # the in-order assignment, surplus survivors (the last ones) as spares
+
+    @property
+    def spares(self) -> tuple[int, ...]:
+        return self.chosen.spares
+
+
+def resolve_change(
+    spec: ModelSpec,
+    old_degrees: Degrees,
+    new_degrees: Degrees,
+    change: MemberChange,
+    assign: Assign = Assign.BEST,
+) -> Change:
+    """The old and new layout of `change` under `assign`, and both assignments' figures."""
+    if assign is Assign.ORDERED:
+        old, new = apply_change(spec, old_degrees, new_degrees, change)
+    else:
+        old = old_degrees.layout(spec, old_members(old_degrees.world_size))
+        _check_numbers(old, change)
+    leaving = {*change.drop, *change.lost, *change.replace}
+    survivors = [i for i in range(old.world_size) if i not in leaving]
+    need = new_degrees.world_size
+    joiners = len(change.replace) + (
+        change.add
+        if change.add is not None
+        else max(need - len(survivors) - len(change.replace), 0)
+    )
+    problem = Problem(spec, old_degrees, new_degrees)
+    ordered = problem.given(_in_order(old, change, need, joiners), survivors)
+    best = problem.best(survivors, joiners)
+    if assign is Assign.ORDERED:
+        chosen = problem.given([int(m) if m in old.ranks else None for m in new.members], survivors)
+    else:
+        # The in-order assignment, when it is as good, is kept: fewer members change places.
+        as_good = (ordered.network_bytes, ordered.max_recv_bytes) <= (
+            best.network_bytes, best.max_recv_bytes,
+        )  # fmt: skip
+        chosen = ordered if as_good else best
+        fresh = (str(n) for n in itertools.count(old.world_size))
+        members = [str(m) if m is not None else next(fresh) for m in chosen.members_to]
+        new = new_degrees.layout(spec, members)
+    return Change(old, new, assign, chosen, best, ordered)
+
+
+def _check_numbers(old: Layout, change: MemberChange) -> None:
+    for field, numbers in (("drop", change.drop), ("replace", change.replace),
+                           ("lost", change.lost)):  # fmt: skip
+        bad = sorted({n for n in numbers if not 0 <= n < old.world_size})
+        if bad:
+            raise InvalidInput(f"--{field} {bad}: members are numbered 0..{old.world_size - 1}")
+
+
+def _in_order(old: Layout, change: MemberChange, need: int, joiners: int) -> list[int | None]:
+    """The in-order assignment: remaining members in order, a replacement in its member's
+    rank, surplus survivors cut from the end, then the other joiners."""
+    leaving = {*change.drop, *(n for n in change.lost if n not in change.replace)}
+    staying: list[int | None] = [
+        None if i in change.replace else i for i in range(old.world_size) if i not in leaving
+    ]
+    extra = joiners - len(change.replace)
+    kept = need - extra
+    # Cut surplus survivors from the end, keeping every replacement's rank.
+    while len(staying) > kept:
+        last = max(i for i, m in enumerate(staying) if m is not None)
+        staying.pop(last)
+    return [*staying, *([None] * (need - len(staying)))]

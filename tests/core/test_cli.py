@@ -169,9 +169,10 @@ def test_model_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
          "2 remaining members + 1 added != 4"),
         (["--model", "tiny", "--from", "dp=2", "--to", "dp=2", "--add", "-1"], "--add -1"),
         (["--model", "tiny", "--from", "dp=2", "--to", "dp=1", "--lost", "5"], "--lost [5]"),
-        # With --drop, surplus members are an error, not silently cut off.
-        (["--model", "tiny", "--from", "dp=4", "--to", "dp=2", "--drop", "0"],
-         "3 remaining members + 0 added != 2"),
+        # With --drop and --assign ordered, surplus members are an error, not silently cut off
+        # (--assign best leaves them as spares).
+        (["--model", "tiny", "--from", "dp=4", "--to", "dp=2", "--drop", "0", "--assign",
+          "ordered"], "3 remaining members + 0 added != 2"),
         (["--model", "tiny", "--from", "dp=1", "--to", "dp=2", "--budget", "0"], "budget '0'"),
         (["--model", "tiny", "--from", "dp=1", "--to", "dp=2", "--budget", "lots"],
          "budget 'lots'"),
@@ -205,7 +206,7 @@ def test_console_script() -> None:
     assert LIVESHARD.exists()
     done = subprocess.run(
         [str(LIVESHARD), "plan", "--model", "tiny", "--from", "dp=2,zero=1", "--to",
-         "dp=2,tp=2,zero=1", "--add", "2", "--json"],
+         "dp=2,tp=2,zero=1", "--add", "2", "--assign", "ordered", "--json"],
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -237,3 +238,97 @@ def test_lost_shard_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None
                  "--lost", "2"])  # fmt: skip
     assert code == 2
     assert "no surviving copy" in capsys.readouterr().err
+
+
+# --- member assignment, dry run, layout policy, rebalancing ------------------------------------
+
+
+def members_of(summary: dict[str, Any]) -> list[str]:
+    """The new layout's members from `members_to`: joiners numbered after the old members."""
+    fresh = iter(range(summary["ranks_from"], summary["ranks_from"] + summary["ranks_to"]))
+    return [str(m) if m is not None else str(next(fresh)) for m in summary["members_to"]]
+
+
+def test_best_assignment_moves_fewer_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    # dp=2 -> dp=2,tp=2 under ZeRO-1: in order, member 1 would take (dp 0, tp 1) and lose its
+    # shard; the best assignment gives it (dp 1, tp 0) instead.
+    argv = ["--model", "tiny", "--from", "dp=2,zero=1", "--to", "dp=2,tp=2,zero=1", "--add", "2"]
+    best = run_json(capsys, *argv)
+    ordered = run_json(capsys, *argv, "--assign", "ordered")
+    assert best["assign"] == "best" and ordered["assign"] == "ordered"
+    assert best["network_bytes"] == best["best_network_bytes"] == best["lower_bound_bytes"]
+    assert ordered["network_bytes"] == ordered["ordered_network_bytes"]
+    assert best["network_bytes"] < ordered["network_bytes"]
+    assert best["ordered_network_bytes"] == ordered["network_bytes"]
+    assert best["assignment_lower_bound_bytes"] <= best["network_bytes"]
+    assert ordered["members_to"] == [0, 1, None, None]
+    assert best["spares"] == ordered["spares"] == []
+    # members_to names the layout the plan was computed for.
+    old = Layout.create(TINY, ["0", "1"], dp=2, zero=1)
+    new = Layout.create(TINY, members_of(best), dp=2, tp=2, zero=1)
+    assert best["plan_hash"] == digest(old, new)
+
+
+def test_drop_with_surplus_leaves_spares(capsys: pytest.CaptureFixture[str]) -> None:
+    s = run_json(capsys, "--model", "tiny", "--from", "dp=4,zero=1", "--to", "dp=2,zero=1",
+                 "--drop", "0")  # fmt: skip
+    assert len(s["members_to"]) == 2 and None not in s["members_to"]
+    assert len(s["spares"]) == 1 and 0 not in s["spares"]
+    assert sorted([*s["members_to"], *s["spares"]]) == [1, 2, 3]
+    assert sorted(s["members_dropped"], key=int) == sorted(["0", *map(str, s["spares"])], key=int)
+    assert s["network_bytes"] == s["lower_bound_bytes"] == s["best_network_bytes"]
+
+
+def test_predict(capsys: pytest.CaptureFixture[str]) -> None:
+    s = run_json(capsys, "--model", "tiny", "--from", "", "--to", "tp=2", "--predict",
+                 "--bandwidth", "1GB/s", "--latency", "2ms", "--budget", "1499008")  # fmt: skip
+    assert s["rounds"] == len(s["predicted_round_seconds"]) == 1
+    assert s["predicted_pause_seconds"] == pytest.approx(1499008 / 1e9 + 0.002, abs=1e-6)
+    assert s["member_send_bytes"] == {"0": 1499008}
+    assert s["member_recv_bytes"] == {"1": 1499008}
+    assert s["peak_buffer_bytes"] == 1499008
+
+
+def run_command(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert isinstance(out, dict)
+    return out
+
+
+def test_layout_command(capsys: pytest.CaptureFixture[str]) -> None:
+    s = run_command(capsys, "layout", "--model", "llama-70b", "--members", "100", "--tp", "8",
+                    "--global-batch", "96", "--device-memory", "80GiB")  # fmt: skip
+    assert s["tp"] == 8 and s["ranks"] <= 100 and 96 % s["dp"] == 0
+    assert s["ranks"] == s["dp"] * s["tp"] * s["pp"]
+    assert s["spares"] == list(range(s["ranks"], 100))
+    assert s["memory_bytes"] <= s["device_memory_bytes"]
+    assert s["why"]
+    assert main(["layout", "--model", "llama-70b", "--members", "8", "--tp", "8",
+                 "--device-memory", "1GiB"]) == 2  # fmt: skip
+    assert "memory per device" in capsys.readouterr().err
+
+
+def test_rebalance_command(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    # tiny has 4 layers; the last two became cheap (pruned): 2 stages of 2 layers -> 3 + 1.
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"layer_seconds": [1.0, 1.0, 0.1, 0.1]}))
+    s = run_command(capsys, "rebalance", "--model", "tiny", "--from", "pp=2,dp=2",
+                    "--costs", str(costs))  # fmt: skip
+    assert s["pp_layers_before"] == [2, 2]
+    assert s["pp_layers"] == [1, 3]
+    assert s["max_stage_seconds_before"] == 2.0
+    assert s["max_stage_seconds"] == pytest.approx(1.2)
+    assert s["network_bytes"] > 0 and s["members_released"] == []
+    # Packing: one stage takes 2.2 s, 10% above today's 2.0 s: allowed at --tolerance 0.1,
+    # and the 2 members of the stage given up are released.
+    packed = run_command(capsys, "rebalance", "--model", "tiny", "--from", "pp=2,dp=2",
+                         "--costs", str(costs), "--pack", "--tolerance", "0.1")  # fmt: skip
+    assert packed["pp_layers"] == [4]
+    assert len(packed["members_released"]) == 2 and packed["to"].startswith("dp=2,tp=1,pp=1")
+    strict = run_command(capsys, "rebalance", "--model", "tiny", "--from", "pp=2,dp=2",
+                         "--costs", str(costs), "--pack")  # fmt: skip
+    assert strict["pp_layers"] == [1, 3]
+    assert main(["rebalance", "--model", "tiny", "--from", "pp=2", "--costs",
+                 str(tmp_path / "none.json")]) == 2  # fmt: skip
+    assert "cannot read costs file" in capsys.readouterr().err

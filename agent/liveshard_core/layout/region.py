@@ -62,7 +62,7 @@ def place(spec: ModelSpec, layout: Layout, param: Param, kind: StateKind) -> Pla
     )
 
 
-def _tp_local(placed: Placed, tp: int, tp_i: int | None) -> list[Box]:
+def tp_local_boxes(placed: Placed, tp: int, tp_i: int | None) -> list[Box]:
     """Boxes of tp rank `tp_i` (None: a replicated tensor, the whole of it)."""
     whole = full_box(placed.shape)
     if tp_i is None or placed.split_dim is None:
@@ -77,7 +77,7 @@ def _tp_local(placed: Placed, tp: int, tp_i: int | None) -> list[Box]:
     return boxes
 
 
-def _zero_shard(placed: Placed, local: list[Box], shards: int, index: int) -> list[Box]:
+def zero_shard_boxes(placed: Placed, local: list[Box], shards: int, index: int) -> list[Box]:
     """Shard `index` of `shards` of the TP-local boxes, cut along dim 0 of the local tensor."""
     if placed.split_dim != 0:
         # Every local box spans dim 0 whole: the shard is the same rows of each.
@@ -115,13 +115,13 @@ def partition(layout: Layout, placed: Placed) -> list[tuple[Box, tuple[int, ...]
     out: list[tuple[Box, tuple[int, ...]]] = []
     for tp_key in tp_keys:
         tp_ranks = range(layout.tp) if tp_key is None else (tp_key,)
-        local = _tp_local(placed, layout.tp, tp_key)
+        local = tp_local_boxes(placed, layout.tp, tp_key)
         if placed.sharded:
             for z, dp_i in enumerate(group):
                 holders = tuple(
                     layout.rank(s, dp_i, t) for s, t in product(placed.stages, tp_ranks)
                 )
-                out += [(box, holders) for box in _zero_shard(placed, local, len(group), z)]
+                out += [(box, holders) for box in zero_shard_boxes(placed, local, len(group), z)]
         else:
             holders = tuple(
                 layout.rank(s, d, t) for s, d, t in product(placed.stages, group, tp_ranks)
@@ -137,11 +137,11 @@ def rank_boxes(layout: Layout, placed: Placed, rank: int) -> list[Box]:
         return []
     if placed.ep_owner is not None and dp_i % layout.ep != placed.ep_owner:
         return []
-    local = _tp_local(placed, layout.tp, tp_i)
+    local = tp_local_boxes(placed, layout.tp, tp_i)
     if placed.sharded:
         group_size = layout.dp if placed.ep_owner is None else layout.dp // layout.ep
         index = dp_i if placed.ep_owner is None else dp_i // layout.ep
-        local = _zero_shard(placed, local, group_size, index)
+        local = zero_shard_boxes(placed, local, group_size, index)
     return [box for box in local if not is_empty(box)]
 
 

@@ -42,7 +42,7 @@ class LostPiece(Exception):
         self.box = box
 
 
-class _Grid:
+class BoxGrid:
     """Finds which boxes of a partition overlap a query box, one dimension at a time."""
 
     def __init__(self, boxes: list[Box]) -> None:
@@ -86,8 +86,8 @@ class Matching:
     def __init__(self, old: Partition, new: Partition) -> None:
         self.old = old
         self.new = new
-        self._old_grid = _Grid([box for box, _ in old])
-        self._new_grid = _Grid([box for box, _ in new])
+        self._old_grid = BoxGrid([box for box, _ in old])
+        self._new_grid = BoxGrid([box for box, _ in new])
 
     def new_of_old(self, j: int) -> list[int]:
         return self._new_grid.overlapping(self.old[j][0])

@@ -76,24 +76,25 @@ class Schedule:
             out.append(ops)
         return out
 
+    def move_bytes(self, move: Move) -> list[tuple[Slot, Slot, int]]:
+        """(source, destination, bytes) of every transfer in `move`."""
+        group = self.plan.groups[move.group]
+        pattern = self.plan.pattern_of(group)
+        if isinstance(move, Segment):
+            count = group.itemsize * (move.stop - move.first)
+            return [(p.src, p.dst, volume(p.box) * count) for p in pattern.network]
+        p = pattern.network[move.piece]
+        return [(p.src, p.dst, volume(move.box) * group.itemsize)]
+
     def round_bytes(self) -> list[dict[Slot, int]]:
         """Buffer bytes (sent plus received) per slot in each round."""
         out = []
         for moves in self.rounds:
             used: dict[Slot, int] = defaultdict(int)
             for move in moves:
-                group = self.plan.groups[move.group]
-                pattern = self.plan.pattern_of(group)
-                if isinstance(move, Segment):
-                    for p in pattern.network:
-                        n = volume(p.box) * group.itemsize * (move.stop - move.first)
-                        used[p.src] += n
-                        used[p.dst] += n
-                else:
-                    p = pattern.network[move.piece]
-                    n = volume(move.box) * group.itemsize
-                    used[p.src] += n
-                    used[p.dst] += n
+                for src, dst, n in self.move_bytes(move):
+                    used[src] += n
+                    used[dst] += n
             out.append(dict(used))
         return out
 

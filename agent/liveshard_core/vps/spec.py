@@ -292,6 +292,8 @@ def config_from_dict(data: Any, source: str) -> TransformerConfig:
             raise InvalidInput(f"{source}: {name}={values[name]!r} must be true or false")
     if not isinstance(values["name"], str) or not values["name"]:
         raise InvalidInput(f"{source}: name={values['name']!r} must be a non-empty string")
+    if isinstance(values.get("rope_theta"), int) and not isinstance(values["rope_theta"], bool):
+        values["rope_theta"] = float(values["rope_theta"])  # JSON and YAML may drop the ".0"
     if "param_dtype" in values:
         valid = [d.value for d in DType]
         if values["param_dtype"] not in valid:

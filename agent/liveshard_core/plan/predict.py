@@ -1,0 +1,80 @@
+"""Dry run: the pause a schedule predicts, before any byte moves.
+
+Model: members run the rounds in order, and a round lasts as long as its busiest member needs to
+push its bytes through its link, plus a fixed per-round latency (posting the operations and
+waiting for the slowest peer):
+
+    pause = sum over rounds r of ( max over members m of bytes(m, r) / bandwidth + latency )
+
+where `bytes(m, r)` is what member m sends plus what it receives in round r (both directions
+share the member's link and its copy engine; the schedule budgets the same sum). Local copies are
+left out: they overlap the first round. The bandwidth is one member's, in bytes per second.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from ..errors import InvalidInput
+from .matching import Slot
+from .schedule import Schedule
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What a schedule will cost: time per round and bytes per member."""
+
+    bandwidth: float  # bytes per second of one member's link
+    latency: float  # seconds added to every round
+    round_seconds: tuple[float, ...]
+    send_bytes: dict[Slot, int]  # per slot, over the whole schedule
+    recv_bytes: dict[Slot, int]
+    peak_buffer_bytes: int  # the most any member holds in flight in one round
+
+    @property
+    def pause_seconds(self) -> float:
+        return sum(self.round_seconds)
+
+    @property
+    def rounds(self) -> int:
+        return len(self.round_seconds)
+
+
+def predict(schedule: Schedule, bandwidth: float, latency: float = 1e-3) -> Prediction:
+    """The predicted pause of running `schedule` over links of `bandwidth` bytes per second."""
+    if not bandwidth > 0:
+        raise InvalidInput(f"bandwidth {bandwidth!r} must be a positive number of bytes per second")
+    if not latency >= 0:
+        raise InvalidInput(f"latency {latency!r} must be a number of seconds >= 0")
+    sends: dict[Slot, int] = defaultdict(int)
+    recvs: dict[Slot, int] = defaultdict(int)
+    seconds = []
+    peak = 0
+    plan = schedule.plan
+    for used, (round_sends, round_recvs) in zip(
+        schedule.round_bytes(), _round_directions(schedule), strict=True
+    ):
+        busiest = max(used.values(), default=0)
+        peak = max(peak, busiest)
+        seconds.append(busiest / bandwidth + latency)
+        for slot, n in round_sends.items():
+            sends[slot] += n
+        for slot, n in round_recvs.items():
+            recvs[slot] += n
+    assert sum(sends.values()) == plan.network_bytes
+    return Prediction(bandwidth, latency, tuple(seconds), dict(sends), dict(recvs), peak)
+
+
+def _round_directions(schedule: Schedule) -> list[tuple[dict[Slot, int], dict[Slot, int]]]:
+    """Bytes each slot sends and receives in each round."""
+    out = []
+    for moves in schedule.rounds:
+        sends: dict[Slot, int] = defaultdict(int)
+        recvs: dict[Slot, int] = defaultdict(int)
+        for move in moves:
+            for src, dst, n in schedule.move_bytes(move):
+                sends[src] += n
+                recvs[dst] += n
+        out.append((dict(sends), dict(recvs)))
+    return out
