@@ -174,6 +174,14 @@ class PodWorker:
 
     def _start(self, c: Container, env_base: dict[str, str]) -> bool:
         pod = self._pod_now()
+        # The watch may not have brought back the pod IP this kubelet reported itself yet; the
+        # downward API must never see it empty.
+        status = {
+            **(pod.get("status") or {}),
+            "podIP": self.pod_ip,
+            "podIPs": [{"ip": self.pod_ip}],
+        }
+        pod = {**pod, "status": status}
         try:
             env = container_env(pod, c.spec, env_base, self._lookup, self.node.spec.capacity())
             argv = command_line(c.spec, env)

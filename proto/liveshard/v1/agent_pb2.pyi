@@ -133,7 +133,7 @@ class ReleaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AgentStatus(_message.Message):
-    __slots__ = ("member", "phase", "ready", "epoch", "step", "layout", "loss", "pending", "last_switch", "last_checkpoint", "message", "terminating", "steps")
+    __slots__ = ("member", "phase", "ready", "epoch", "step", "layout", "loss", "pending", "last_switch", "last_checkpoint", "message", "terminating", "steps", "samples")
     class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         PHASE_UNSPECIFIED: _ClassVar[AgentStatus.Phase]
@@ -163,6 +163,7 @@ class AgentStatus(_message.Message):
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     TERMINATING_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
     member: str
     phase: AgentStatus.Phase
     ready: bool
@@ -176,7 +177,8 @@ class AgentStatus(_message.Message):
     message: str
     terminating: bool
     steps: int
-    def __init__(self, member: _Optional[str] = ..., phase: _Optional[_Union[AgentStatus.Phase, str]] = ..., ready: _Optional[bool] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., loss: _Optional[float] = ..., pending: _Optional[_Union[Pending, _Mapping]] = ..., last_switch: _Optional[_Union[SwitchSummary, _Mapping]] = ..., last_checkpoint: _Optional[_Union[CheckpointSummary, _Mapping]] = ..., message: _Optional[str] = ..., terminating: _Optional[bool] = ..., steps: _Optional[int] = ...) -> None: ...
+    samples: int
+    def __init__(self, member: _Optional[str] = ..., phase: _Optional[_Union[AgentStatus.Phase, str]] = ..., ready: _Optional[bool] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., loss: _Optional[float] = ..., pending: _Optional[_Union[Pending, _Mapping]] = ..., last_switch: _Optional[_Union[SwitchSummary, _Mapping]] = ..., last_checkpoint: _Optional[_Union[CheckpointSummary, _Mapping]] = ..., message: _Optional[str] = ..., terminating: _Optional[bool] = ..., steps: _Optional[int] = ..., samples: _Optional[int] = ...) -> None: ...
 
 class Pending(_message.Message):
     __slots__ = ("epoch", "state", "at_step", "reason")

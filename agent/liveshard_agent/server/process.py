@@ -1,0 +1,110 @@
+"""The agent's life once configured: pre-warm, serve, run the member, exit when released.
+
+In order: initialise the device (importing this module imports torch: together they are the
+pre-warm a standing-by pod does before it is needed), build the member (no store yet), start the
+gRPC server on the pod IP, report ready, then run the member's loop on the main thread until a
+Release stops it. If the loop fails the agent reports FAILED and keeps serving its status until
+it is released or killed. This module wires the parts; it holds no training or API logic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import replace
+
+import torch
+
+from liveshard_core.errors import InvalidInput
+from liveshard_core.layout.layout import Layout
+
+from ..engine.record import context_logger
+from ..engine.switch import Timeouts
+from ..engine.world import host_store
+from ..runtime.loop import run_member
+from ..runtime.member import Member
+from .config import AgentConfig, ConfigError, Deadlines
+from .inbox import CommandInbox
+from .reporter import Reporter, observe
+from .requests import Job
+from .rpc import start_server
+from .service import AgentService
+from .status import StatusBoard
+
+log = logging.getLogger(__name__)
+
+_STOP_GRACE = 5.0  # seconds for calls in flight (the Release's answer) when the server stops
+
+
+def device_of(choice: str | None) -> torch.device:
+    """The agent's device, initialised: a CUDA context is created now, not at the first step.
+    The kubelet makes the pod's GPU the only visible one, so it is cuda:0."""
+    if choice == "cpu" or (choice is None and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise ConfigError(
+            f"LIVESHARD_CONFIG: device='cuda', but no CUDA device is visible "
+            f"(CUDA_VISIBLE_DEVICES={visible!r})"
+        )
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    torch.zeros(1, device=device)
+    return device
+
+
+def serve(config: AgentConfig, board: StatusBoard) -> int:
+    """Run the agent until it is released; the exit status (0, or 1 if its member failed)."""
+    job_config = config.job_config
+    device = device_of(job_config.device)
+    spec = job_config.spec(device.type)
+    try:
+        member = Member(
+            name=config.member, spec=spec, settings=job_config.training, device=device,
+            timeouts=_timeouts(job_config.deadlines), job=config.job,
+        )  # fmt: skip
+    except InvalidInput as err:  # the data file: missing, or too short for the sequence length
+        raise ConfigError(f"LIVESHARD_CONFIG: training: {err}") from None
+    layouts: dict[int, Layout] = {}
+    reporter = Reporter(member, board, config.job, layouts.get)
+    inbox = CommandInbox(reporter.boundary)
+
+    def use_deadlines(deadlines: Deadlines) -> None:  # on the loop's thread, between commands
+        member.timeouts = _timeouts(deadlines)
+
+    service = AgentService(
+        job=Job(config.member, spec, job_config.training, job_config.deadlines,
+                job_config.budget_bytes),
+        job_name=config.job, pod_ip=config.pod_ip, board=board, inbox=inbox, layouts=layouts,
+        use_deadlines=use_deadlines, host_store=host_store,
+    )  # fmt: skip
+    logger = context_logger(log, job=config.job, epoch=-1, member=config.member)
+    try:
+        server = start_server(service, config.token, config.address)
+    except RuntimeError as err:  # grpc's: the address is not this host's, or the port is taken
+        logger.error("cannot serve on %s: %s", config.address, err)
+        return 1
+    board.update(
+        lambda s: replace(s, ready=True, observed=observe(member, s.observed, layouts.get))
+    )
+    logger.info(
+        "ready: serving liveshard.v1.Agent on %s, device %s, model %s (%s)",
+        config.address, device, spec.config.name, spec.config.param_dtype.value,
+    )  # fmt: skip
+    status = 0
+    try:
+        run_member(member, inbox, reporter)
+    except Exception as err:  # a broken world or a bug: report it, keep serving the status
+        reporter.fail(f"{type(err).__name__}: {err}")
+        service.released.wait()
+        status = 1
+    finally:
+        board.close()
+        server.stop(_STOP_GRACE).wait()
+    reporter.log.info("released: exiting with status %s", status)
+    return status
+
+
+def _timeouts(deadlines: Deadlines) -> Timeouts:
+    return Timeouts(**dataclasses.asdict(deadlines))

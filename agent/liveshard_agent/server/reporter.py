@@ -1,0 +1,138 @@
+"""The member's loop, seen from the server: its reports and its state, turned into status.
+
+`Reporter` is the loop's `report` callable and the inbox's `on_boundary`; both run on the loop's
+thread, the only thread that may read the member. It keeps the status board's `Observed` part and
+its events (last switch, last checkpoint, the last refusal) current, settles the tickets of the
+commands the loop has obeyed, and logs what happened. It must not drive the member.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from liveshard_core.layout.layout import Layout
+
+from ..engine.record import ContextLogger, context_logger
+from ..runtime.member import Member
+from .inbox import Ticket
+from .status import (
+    CheckpointSummary,
+    Observed,
+    PendingState,
+    PendingView,
+    Snapshot,
+    StatusBoard,
+    SwitchSummary,
+)
+
+log = logging.getLogger(__name__)
+
+
+def observe(
+    member: Member, before: Observed, layout_of: Callable[[int], Layout | None]
+) -> Observed:
+    """The member now; `before` supplies what a member that left a world no longer knows (its
+    last step and loss)."""
+    pending = member.pending
+    view = None
+    if pending is not None:
+        state, reason = PendingState.PREPARING, ""
+        if pending.future.done():
+            error = pending.future.exception()
+            state = PendingState.FAILED if error else PendingState.PREPARED
+            reason = f"{type(error).__name__}: {error}" if error else ""
+        view = PendingView(pending.change.epoch, state, pending.change.at_step, reason)
+    due = member.checkpoint_due
+    # A member that left trains in no world; it shows the world it left to, which names the
+    # epoch in effect without it.
+    layout = member.layout if member.training else layout_of(member.epoch)
+    trainer = member.trainer
+    return Observed(
+        training=member.training, joining=member.joining, done=member.done, epoch=member.epoch,
+        step=member.step if member.training else before.step,
+        samples=trainer.scalars.samples if trainer is not None else before.samples,
+        layout=layout,
+        loss=member.last_loss if member.last_loss is not None else before.loss, pending=view,
+        checkpoint_due=due.number if due is not None else None,
+    )  # fmt: skip
+
+
+class Reporter:
+    def __init__(
+        self,
+        member: Member,
+        board: StatusBoard,
+        job: str,
+        layout_of: Callable[[int], Layout | None],
+    ) -> None:
+        self.member, self.board, self.job = member, board, job
+        self.layout_of = layout_of
+        self._refusal: str | None = None  # of the command being obeyed
+        self._last_logged_step = -1
+
+    @property
+    def log(self) -> ContextLogger:
+        return context_logger(log, job=self.job, epoch=self.member.epoch, member=self.member.name)
+
+    def __call__(self, kind: str, event: dict[str, Any]) -> None:
+        """`run_member`'s report."""
+        update: dict[str, Any] = {}
+        if kind == "step":
+            record = event["record"]
+            self.log.debug("step %s: loss %.4f", record.step, record.loss)
+        elif kind == "switch":
+            update["last_switch"] = _switch_summary(event)
+            self.log.info(
+                "switch of epoch %s at step %s: %s -> %s %s%s", event["epoch"], event["step"],
+                event["from_layout"], event["to_layout"], event["result"],
+                "" if event["result"] == "committed" else f" ({event['cause']}: {event['reason']})",
+            )  # fmt: skip
+        elif kind == "checkpoint":
+            update["last_checkpoint"] = CheckpointSummary(
+                event["number"], event["step"], event["path"], event["seconds"]
+            )
+            self.log.info("checkpoint %s saved at step %s to %s", event["number"],
+                          event["step"], event["path"])  # fmt: skip
+        elif kind == "done":
+            self.log.info("the job trained its last step (%s)", event["step"])
+        elif kind == "error":
+            message = f"{event['command']} refused: {event['message']}"
+            self._refusal = message
+            update["message"] = message
+            self.log.warning("%s", message)
+        self._refresh(update, ())
+
+    def boundary(self, settled: list[Ticket]) -> None:
+        """The inbox's `on_boundary`: the loop is between commands and steps."""
+        for ticket in settled:
+            ticket.error, self._refusal = self._refusal, None
+        self._refresh({}, settled)
+
+    def fail(self, message: str) -> None:
+        """The member's loop stopped on an error: the agent can train no more (called while the
+        error is handled, so its traceback is logged)."""
+        self.log.error("the member's loop failed: %s", message, exc_info=True)
+        self.board.update(lambda s: replace(s, failure=message, message=message))
+
+    def _refresh(self, update: dict[str, Any], settled: list[Ticket] | tuple[()]) -> None:
+        done = {t.number for t in settled}
+        snapshot = self.board.get()
+        observed = observe(self.member, snapshot.observed, self.layout_of)
+
+        def change(s: Snapshot) -> Snapshot:
+            claims = tuple(c for c in s.claims if c.ticket not in done)
+            return replace(s, observed=observed, claims=claims, **update)
+
+        self.board.update(change)
+
+
+def _switch_summary(event: dict[str, Any]) -> SwitchSummary:
+    return SwitchSummary(
+        epoch=event["epoch"], step=event["step"], result=event["result"],
+        cause=event["cause"] or "", reason=event["reason"], from_layout=event["from_layout"],
+        to_layout=event["to_layout"], pause_seconds=event["pause_seconds"],
+        prepare_seconds=event["prepare_seconds"], network_bytes=event["network_bytes"],
+    )  # fmt: skip

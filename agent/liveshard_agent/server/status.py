@@ -1,0 +1,231 @@
+"""The agent's status: one immutable `Snapshot` on a `StatusBoard` that GetStatus reads and
+WatchStatus follows.
+
+A snapshot joins three sources: what the member's loop last showed (`Observed`, refreshed on the
+loop's thread between commands and steps), the commands the service accepted and the loop has not
+finished yet (`Claim`s, so a status read right after a Prepare shows it pending), and the events
+the loop reported (last switch, last checkpoint, the last refusal). The phase and the pending
+reconfiguration are computed from them, never stored twice. This module must not drive the member.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from enum import Enum
+
+from liveshard.v1 import agent_pb2 as pb
+from liveshard_core.layout.layout import Layout
+
+
+class Phase(Enum):
+    STARTING = pb.AgentStatus.STARTING
+    STANDBY = pb.AgentStatus.STANDBY
+    JOINING = pb.AgentStatus.JOINING
+    TRAINING = pb.AgentStatus.TRAINING
+    DONE = pb.AgentStatus.DONE
+    FAILED = pb.AgentStatus.FAILED
+
+
+class PendingState(Enum):
+    PREPARING = pb.Pending.PREPARING
+    PREPARED = pb.Pending.PREPARED
+    FAILED = pb.Pending.FAILED
+
+
+@dataclass(frozen=True)
+class PendingView:
+    epoch: int
+    state: PendingState
+    at_step: int  # -1: held
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Observed:
+    """The member as its loop last showed it."""
+
+    training: bool = False
+    joining: bool = False
+    done: bool = False
+    epoch: int = -1  # the latest epoch it knows in effect (-1: none yet)
+    step: int = 0  # the next step to train (kept after it leaves a world)
+    samples: int = 0  # the data cursor: samples the job has consumed (kept likewise)
+    layout: Layout | None = None  # of that epoch
+    loss: float = 0.0
+    pending: PendingView | None = None
+    checkpoint_due: int | None = None  # the number of a checkpoint asked for and not yet saved
+
+
+class ClaimKind(Enum):
+    START = "start"  # the job's first world
+    CHANGE = "change"  # a reconfiguration
+    SWITCH = "switch"
+    DROP = "drop"
+    CHECKPOINT = "checkpoint"
+    STOP = "stop"
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A command the service accepted that the member's loop has not finished yet."""
+
+    ticket: int
+    kind: ClaimKind
+    number: int  # the epoch, or a checkpoint's number
+    at_step: int = 0
+    layout: Layout | None = None  # the layout a START or CHANGE leads to
+
+
+@dataclass(frozen=True)
+class SwitchSummary:
+    epoch: int
+    step: int
+    result: str  # committed or aborted
+    cause: str
+    reason: str
+    from_layout: str
+    to_layout: str
+    pause_seconds: float
+    prepare_seconds: float
+    network_bytes: int
+
+
+@dataclass(frozen=True)
+class CheckpointSummary:
+    number: int
+    step: int
+    path: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    member: str
+    steps: int  # the job's last step + 1
+    ready: bool = False
+    failure: str = ""  # why the member's loop stopped; non-empty: FAILED
+    terminating: bool = False
+    observed: Observed = field(default_factory=Observed)
+    claims: tuple[Claim, ...] = ()
+    last_switch: SwitchSummary | None = None
+    last_checkpoint: CheckpointSummary | None = None
+    message: str = ""  # the last refused command or failure, for people
+
+    def claimed(self, *kinds: ClaimKind) -> list[Claim]:
+        return [c for c in self.claims if c.kind in kinds]
+
+    @property
+    def phase(self) -> Phase:
+        if not self.ready:
+            return Phase.STARTING
+        if self.failure:
+            return Phase.FAILED
+        if self.observed.done:
+            return Phase.DONE
+        if self.observed.training:
+            return Phase.TRAINING
+        if self.observed.joining or self.claimed(ClaimKind.START, ClaimKind.CHANGE):
+            return Phase.JOINING
+        return Phase.STANDBY
+
+    @property
+    def pending(self) -> PendingView | None:
+        """The reconfiguration pending here: the member's, or one accepted and not yet taken."""
+        pending = self.observed.pending
+        if pending is None:
+            for claim in self.claimed(ClaimKind.START, ClaimKind.CHANGE):
+                pending = PendingView(claim.number, PendingState.PREPARING, claim.at_step)
+        if pending is not None:
+            for claim in self.claimed(ClaimKind.SWITCH):
+                if claim.number == pending.epoch:
+                    pending = replace(pending, at_step=claim.at_step)
+        return pending
+
+    @property
+    def checkpoint_due(self) -> int | None:
+        due = [c.number for c in self.claimed(ClaimKind.CHECKPOINT)]
+        return max(due) if due else self.observed.checkpoint_due
+
+    def to_proto(self) -> pb.AgentStatus:
+        seen = self.observed
+        status = pb.AgentStatus(
+            member=self.member, phase=self.phase.value, ready=self.ready, epoch=seen.epoch,
+            step=seen.step, samples=seen.samples, loss=seen.loss, message=self.message,
+            terminating=self.terminating, steps=self.steps,
+        )  # fmt: skip
+        if seen.layout is not None:
+            status.layout.CopyFrom(layout_to_proto(seen.layout))
+        pending = self.pending
+        if pending is not None:
+            status.pending.CopyFrom(
+                pb.Pending(
+                    epoch=pending.epoch, state=pending.state.value, at_step=pending.at_step,
+                    reason=pending.reason,
+                )
+            )  # fmt: skip
+        if self.last_switch is not None:
+            s = self.last_switch
+            status.last_switch.CopyFrom(
+                pb.SwitchSummary(
+                    epoch=s.epoch, step=s.step, result=s.result, cause=s.cause, reason=s.reason,
+                    to=s.to_layout, pause_seconds=s.pause_seconds,
+                    prepare_seconds=s.prepare_seconds, network_bytes=s.network_bytes,
+                    **{"from": s.from_layout},
+                )
+            )  # fmt: skip
+        if self.last_checkpoint is not None:
+            c = self.last_checkpoint
+            status.last_checkpoint.CopyFrom(
+                pb.CheckpointSummary(number=c.number, step=c.step, path=c.path, seconds=c.seconds)
+            )
+        return status
+
+
+def layout_to_proto(layout: Layout) -> pb.Layout:
+    return pb.Layout(
+        dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep, zero=layout.zero,
+        pp_layers=list(layout.pp_layers), members=list(layout.members),
+    )  # fmt: skip
+
+
+class StatusBoard:
+    """The current snapshot and a version that rises with every change, for watchers."""
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        self._snapshot = snapshot
+        self._version = 0
+        self._closed = False
+        self._changed = threading.Condition()
+
+    def get(self) -> Snapshot:
+        with self._changed:
+            return self._snapshot
+
+    def update(self, change: Callable[[Snapshot], Snapshot]) -> Snapshot:
+        """Apply `change` atomically; watchers wake only when the snapshot differs."""
+        with self._changed:
+            new = change(self._snapshot)
+            if new != self._snapshot:
+                self._snapshot = new
+                self._version += 1
+                self._changed.notify_all()
+            return new
+
+    def wait_newer(self, version: int, timeout: float) -> tuple[int, Snapshot]:
+        """The snapshot once its version is past `version`, or as it is after `timeout` s."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._version > version or self._closed, timeout)
+            return self._version, self._snapshot
+
+    def close(self) -> None:
+        """End every watch (the agent is going away)."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        with self._changed:
+            return self._closed

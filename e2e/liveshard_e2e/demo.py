@@ -1,0 +1,144 @@
+"""The README's main demo: liveshard on the local cluster, told as it happens.
+
+It brings up the local cluster, installs the chart with helm (the operator), applies the example
+`tiny` job, scales it 4 -> 2 -> 3 with `kubectl scale`, drains the node of one worker, and prints
+as it goes each reconfiguration's reason, layouts, pause and bytes, and the loss going on.
+
+    python -m liveshard_e2e.demo [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from liveshard_e2e import cluster
+from liveshard_e2e.testing import Kube
+from liveshard_e2e.waiting import wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+NAMESPACE = "liveshard-demo"
+JOB = "tiny"
+STARTUP = 300.0
+
+
+class Narrator:
+    """Prints the job's progress: its step and loss now and then, every new event at once."""
+
+    def __init__(self, kube: Kube) -> None:
+        self.kube = kube
+        self.start = time.monotonic()
+        self.stop = threading.Event()
+        self.events: set[str] = set()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+
+    def say(self, text: str) -> None:
+        print(f"[{time.monotonic() - self.start:6.1f} s] {text}", flush=True)
+
+    def status(self) -> dict[str, Any]:
+        path = f"/apis/liveshard.io/v1alpha1/namespaces/{NAMESPACE}/elastictrainingjobs/{JOB}"
+        job = self.kube.get(path) or {}
+        return dict(job.get("status") or {})
+
+    def _watch(self) -> None:
+        last_step = -10
+        while not self.stop.wait(1.0):
+            try:
+                self._events()
+                s = self.status()
+            except Exception:  # the demo goes on; the next look may work
+                continue
+            if s.get("step", -1) >= last_step + 10:
+                last_step = s["step"]
+                self.say(f"step {s['step']:>5}  loss {s.get('loss', 0):.4f}  {s.get('phase')}  "
+                         f"{s.get('replicas')} members: {s.get('layout')}")  # fmt: skip
+
+    def _events(self) -> None:
+        selector = f"involvedObject.name={JOB}"
+        raw = self.kube.kubectl("get", "events", "-o", "json", "--field-selector", selector).stdout
+        for event in sorted(
+            json.loads(raw)["items"], key=lambda e: e["metadata"]["creationTimestamp"]
+        ):
+            if event["metadata"]["uid"] in self.events or event["reason"] not in (
+                "Reconfiguring",
+                "Reconfigured",
+                "ReconfigurationAborted",
+            ):
+                continue
+            self.events.add(event["metadata"]["uid"])
+            self.say(f"== {event['reason']}: {event['message']}")
+
+    def wait(self, check: Callable[[dict[str, Any]], bool], what: str, timeout: float) -> None:
+        wait_until(lambda: check(self.status()), timeout, what)
+
+
+def _running(members: int, after: int = -1) -> Callable[[dict[str, Any]], bool]:
+    def check(s: dict[str, Any]) -> bool:
+        return (s.get("phase") == "Running" and s.get("readyReplicas") == members
+                and s.get("epoch", -1) > after)  # fmt: skip
+
+    return check
+
+
+def run(keep: bool) -> None:
+    print("== bringing up the local cluster (3 nodes)", flush=True)
+    info = cluster.up(cluster.ClusterOptions(name="demo", nodes=3))
+    admin = Kube(info)
+    try:
+        admin.run("kubectl", "delete", "namespace", NAMESPACE, "--wait=true", check=False,
+                  timeout=180)  # fmt: skip
+        kube = admin.create_namespace(NAMESPACE)
+        print("== installing the CRD and the chart (the operator)", flush=True)
+        kube.run("kubectl", "apply", "--server-side", "--force-conflicts", "-f",
+                 str(ROOT / "crds"))  # fmt: skip
+        kube.run("helm", "upgrade", "--install", "liveshard", str(ROOT / "charts" / "liveshard"),
+                 "-n", NAMESPACE, "--set", f"watchNamespaces={{{NAMESPACE}}}", "--wait",
+                 "--timeout=180s", timeout=240)  # fmt: skip
+        narrator = Narrator(kube)
+        narrator.thread.start()
+        narrator.say("kubectl apply -f examples/tiny-job.yaml  (4 workers)")
+        kube.apply(yaml.safe_load((ROOT / "examples" / "tiny-job.yaml").read_text()))
+        narrator.wait(_running(4), "the job training with 4 members", STARTUP)
+        epoch = narrator.status()["epoch"]
+        for replicas in (2, 3):
+            time.sleep(10)
+            narrator.say(f"kubectl scale etj/{JOB} --replicas={replicas}")
+            kube.kubectl("scale", f"etj/{JOB}", f"--replicas={replicas}")
+            narrator.wait(_running(replicas, epoch), f"the job on {replicas} members", STARTUP)
+            epoch = narrator.status()["epoch"]
+        time.sleep(10)
+        members = narrator.status()["members"]
+        pod = kube.pod(members[-1]) or {}
+        node = pod["spec"]["nodeName"]
+        narrator.say(f"kubectl drain {node}  (it runs worker {members[-1]})")
+        drain = ["drain", node, "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=300s"]
+        kube.run("kubectl", *drain, "--pod-selector", f"liveshard.io/job={JOB}", timeout=360)
+        narrator.say(f"{node} drained; the job trains on")
+        kube.run("kubectl", "uncordon", node)
+        narrator.wait(_running(3, epoch), "the job back on 3 members", STARTUP)
+        time.sleep(10)
+        final = narrator.status()
+        narrator.stop.set()
+        narrator.say(f"done: step {final['step']}, loss {final['loss']:.4f}, epoch "
+                     f"{final['epoch']}, {final['layout']}")  # fmt: skip
+        print(kube.kubectl("get", "etj").stdout, flush=True)
+    finally:
+        if not keep:
+            cluster.down("demo")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--keep", action="store_true", help="leave the cluster running")
+    run(parser.parse_args().keep)
+
+
+if __name__ == "__main__":
+    main()

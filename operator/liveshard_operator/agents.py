@@ -1,0 +1,107 @@
+"""The operator's side of the agent API (proto/liveshard/v1/agent.proto): one client per agent.
+
+Every call carries the job's token and a deadline; a failed call raises `AgentError` with the
+gRPC status code, retryable when the agent may answer later (unavailable, deadline exceeded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from liveshard.v1 import agent_pb2 as pb
+from liveshard.v1 import agent_pb2_grpc as pb_grpc
+from liveshard_core.errors import LiveshardError
+from liveshard_core.layout.layout import Layout
+
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+class AgentError(LiveshardError):
+    def __init__(self, member: str, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"agent {member}: {code.name}: {details}")
+        self.member, self.code, self.details = member, code, details
+
+    @property
+    def retryable(self) -> bool:
+        return self.code in _RETRYABLE
+
+
+def to_proto(layout: Layout) -> pb.Layout:
+    return pb.Layout(
+        dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep, zero=layout.zero,
+        pp_layers=list(layout.pp_layers), members=list(layout.members),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    op: float
+    switch: float
+    prepare: float
+
+
+class AgentClient:
+    """The agent of one pod, at `host:port`."""
+
+    def __init__(self, member: str, host: str, port: int, token: str, timeout: float = 10.0):
+        self.member = member
+        self.timeout = timeout
+        self.channel = grpc.insecure_channel(f"{host}:{port}")
+        self.stub = pb_grpc.AgentStub(self.channel)  # type: ignore[no-untyped-call]  # generated
+        self.metadata = (("authorization", f"Bearer {token}"),)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def _call(self, method: str, request: object) -> object:
+        try:
+            return getattr(self.stub, method)(request, timeout=self.timeout, metadata=self.metadata)
+        except grpc.RpcError as err:
+            raise AgentError(self.member, err.code(), err.details() or "") from None
+
+    def status(self) -> pb.AgentStatus:
+        return self._call("GetStatus", pb.GetStatusRequest())  # type: ignore[return-value]
+
+    def host_store(self, epoch: int) -> tuple[str, int]:
+        reply = self._call("HostStore", pb.HostStoreRequest(epoch=epoch))
+        address = reply.address  # type: ignore[attr-defined]
+        return address.host, address.port
+
+    def prepare(
+        self,
+        *,
+        epoch: int,
+        store: tuple[str, int],
+        to: Layout,
+        old: Layout | None = None,
+        lost: list[str] | None = None,
+        budget: int = 0,
+        deadlines: Deadlines | None = None,
+        at_step: int = 0,
+        restore_from: str = "",
+    ) -> None:
+        request = pb.PrepareRequest(
+            epoch=epoch, store=pb.StoreAddress(host=store[0], port=store[1]), to=to_proto(to),
+            lost=lost or [], budget_bytes=budget, at_step=at_step, restore_from=restore_from,
+        )  # fmt: skip
+        if old is not None:
+            getattr(request, "from").CopyFrom(to_proto(old))
+        if deadlines is not None:
+            request.deadlines.op_seconds = deadlines.op
+            request.deadlines.switch_seconds = deadlines.switch
+            request.deadlines.prepare_seconds = deadlines.prepare
+        self._call("Prepare", request)
+
+    def switch(self, epoch: int, at_step: int) -> None:
+        self._call("Switch", pb.SwitchRequest(epoch=epoch, at_step=at_step))
+
+    def abort(self, epoch: int) -> None:
+        self._call("Abort", pb.AbortRequest(epoch=epoch))
+
+    def checkpoint(self, number: int, path: str, at_step: int) -> None:
+        self._call("Checkpoint", pb.CheckpointRequest(number=number, path=path, at_step=at_step))
+
+    def release(self) -> None:
+        self._call("Release", pb.ReleaseRequest())

@@ -1,0 +1,43 @@
+"""The job's status conditions (Ready, Reconfiguring, Degraded, Succeeded, Failed), in the
+standard metav1.Condition shape: a transition time that moves only when the status flips, the
+generation observed, and terminal conditions (Succeeded, Failed) that stay once true.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+TERMINAL = ("Succeeded", "Failed")
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Conditions:
+    def __init__(self, items: list[dict[str, Any]], generation: int) -> None:
+        self.items = [dict(c) for c in items]
+        self.generation = generation
+
+    def get(self, kind: str) -> dict[str, Any] | None:
+        return next((c for c in self.items if c.get("type") == kind), None)
+
+    def terminal(self) -> bool:
+        return any((c := self.get(kind)) is not None and c["status"] == "True" for kind in TERMINAL)
+
+    def set(self, kind: str, status: bool, reason: str, message: str) -> None:
+        value = "True" if status else "False"
+        current = self.get(kind)
+        if current is not None and kind in TERMINAL and current["status"] == "True":
+            return  # terminal conditions are sticky
+        fresh = {
+            "type": kind, "status": value, "reason": reason or "None", "message": message,
+            "observedGeneration": self.generation,
+            "lastTransitionTime": _now() if current is None or current["status"] != value
+            else current["lastTransitionTime"],
+        }  # fmt: skip
+        if current is None:
+            self.items.append(fresh)
+        else:
+            current.update(fresh)

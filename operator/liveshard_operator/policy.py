@@ -1,0 +1,59 @@
+"""Which layout a job runs with a given number of members, and which member takes which rank.
+
+The choice belongs to the pure core's layout policy (`liveshard_core.policy.choose_layout`) and
+member assignment (`liveshard_core.assign`); this module states the job's constraints and its
+devices to them. CPU jobs are costed with what a collective costs between local processes on gloo
+(milliseconds, whatever its size), GPU jobs with the policy's defaults (an H100 node).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from liveshard_core.assign.assign import Problem
+from liveshard_core.layout.layout import Degrees, Layout
+from liveshard_core.policy.layout import Constraints, choose_layout
+from liveshard_core.policy.model import Hardware
+from liveshard_core.vps.spec import ModelSpec
+
+from .spec import JobSpec
+
+# gloo between processes of one machine: ~2 GB/s, 2-5 ms per collective (measured here).
+CPU = Hardware(
+    memory=64 << 30, flops=50e9, efficiency=0.5, tp_bandwidth=2e9, network_bandwidth=2e9,
+    latency=2e-3,
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Choice:
+    degrees: Degrees
+    used: int  # members the layout uses; the rest stand by as hot spares
+    why: str
+
+
+def constraints(job: JobSpec) -> Constraints:
+    p, t = job.parallelism, job.training
+    return Constraints(
+        tp=p.tp, pp=p.pp, pp_max=p.pp_max, ep=p.ep, zero=p.zero,
+        global_batch=t["global_batch"], micro_batch=t["micro_batch"], seq_len=t["seq_len"],
+    )  # fmt: skip
+
+
+def choose(spec: ModelSpec, job: JobSpec, members: int) -> Choice:
+    """The layout for at most `members` members (InvalidInput naming the constraint when none
+    fits)."""
+    hardware = CPU if job.device == "cpu" else Hardware()
+    choice = choose_layout(spec, members, constraints(job), hardware)
+    return Choice(choice.degrees, choice.degrees.world_size, "; ".join(choice.why))
+
+
+def assign(
+    spec: ModelSpec, old: Layout, degrees: Degrees, survivors: list[str], joiners: list[str]
+) -> list[str]:
+    """The new layout's members in rank order: the survivors placed to move the fewest bytes
+    (the core's exact assignment), the joiners on the ranks left."""
+    fresh = iter(joiners)
+    need = degrees.world_size - min(len(survivors), degrees.world_size)
+    best = Problem(spec, old, degrees).best([old.rank_of(m) for m in survivors], need)
+    return [old.members[m] if m is not None else next(fresh) for m in best.members_to]

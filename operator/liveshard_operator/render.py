@@ -1,0 +1,125 @@
+"""The Kubernetes objects of a job, rendered by pure functions (a dry run of what is created).
+
+- worker pods: the job's pod template, its first container running the agent, with the
+  environment the agent reads, owned by the job, labelled with the job and the pod's role
+  (`standby` until the pod is a member of the world in effect, then `member`);
+- the job's token Secret (every agent call carries the token);
+- a PodDisruptionBudget, so a drain takes the job's pods one at a time.
+"""
+
+from __future__ import annotations
+
+import copy
+import secrets
+from typing import Any
+
+from .spec import JobSpec
+
+GROUP = "liveshard.io"
+VERSION = "v1alpha1"
+PLURAL = "elastictrainingjobs"
+KIND = "ElasticTrainingJob"
+JOB_LABEL = f"{GROUP}/job"
+ROLE_LABEL = f"{GROUP}/role"
+MEMBER, STANDBY = "member", "standby"
+TOKEN_KEY = "token"
+
+
+def owner(job: dict[str, Any]) -> dict[str, Any]:
+    meta = job["metadata"]
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def secret_name(job_name: str) -> str:
+    return f"{job_name}-token"
+
+
+def token_secret(job: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": secret_name(job["metadata"]["name"]),
+            "labels": {JOB_LABEL: job["metadata"]["name"]},
+            "ownerReferences": [owner(job)],
+        },
+        "type": "Opaque",
+        "stringData": {TOKEN_KEY: secrets.token_hex(32)},
+    }
+
+
+def disruption_budget(job: dict[str, Any]) -> dict[str, Any]:
+    name = job["metadata"]["name"]
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": name, "labels": {JOB_LABEL: name}, "ownerReferences": [owner(job)]},
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": {JOB_LABEL: name}}},
+    }
+
+
+def selector(job_name: str) -> str:
+    """The scale subresource's selector: the members of the world in effect."""
+    return f"{JOB_LABEL}={job_name},{ROLE_LABEL}={MEMBER}"
+
+
+def worker_pod(job: dict[str, Any], spec: JobSpec) -> dict[str, Any]:
+    """A new worker pod, standing by until it joins a world."""
+    name = job["metadata"]["name"]
+    template = copy.deepcopy(spec.template)
+    metadata = template.get("metadata") or {}
+    pod_spec = template.get("spec") or {}
+    containers = pod_spec.get("containers") or [{"name": "agent"}]
+    agent = containers[0]
+    agent.setdefault("name", "agent")
+    agent.setdefault("command", ["liveshard-agent"])
+    agent["env"] = [*(agent.get("env") or []), *_agent_env(name, spec)]
+    ports = agent.setdefault("ports", [])
+    if not any(p.get("containerPort") == spec.port for p in ports):
+        ports.append({"name": "agent", "containerPort": spec.port})
+    agent.setdefault(
+        "readinessProbe",
+        {"tcpSocket": {"port": spec.port}, "periodSeconds": 2, "failureThreshold": 3},
+    )
+    pod_spec["containers"] = containers
+    # A crashed agent has lost its state: the operator replaces the pod, nothing restarts it.
+    pod_spec["restartPolicy"] = "Never"
+    # Long enough for the job to move a leaving pod's state out before it is killed.
+    grace = spec.deadlines["prepare"] + spec.deadlines["switch"] + 60
+    pod_spec.setdefault("terminationGracePeriodSeconds", int(grace))
+    labels = {**(metadata.get("labels") or {}), JOB_LABEL: name, ROLE_LABEL: STANDBY}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            **{k: v for k, v in metadata.items() if k not in ("name", "labels", "namespace")},
+            "generateName": f"{name}-",
+            "labels": labels,
+            "ownerReferences": [owner(job)],
+        },
+        "spec": pod_spec,
+    }
+
+
+def _agent_env(job_name: str, spec: JobSpec) -> list[dict[str, Any]]:
+    def field(path: str) -> dict[str, Any]:
+        return {"fieldRef": {"fieldPath": path}}
+
+    return [
+        {"name": "LIVESHARD_JOB", "value": job_name},
+        {"name": "LIVESHARD_MEMBER", "valueFrom": field("metadata.name")},
+        {"name": "LIVESHARD_POD_IP", "valueFrom": field("status.podIP")},
+        {"name": "LIVESHARD_PORT", "value": str(spec.port)},
+        {
+            "name": "LIVESHARD_TOKEN",
+            "valueFrom": {"secretKeyRef": {"name": secret_name(job_name), "key": TOKEN_KEY}},
+        },
+        {"name": "LIVESHARD_CONFIG", "value": spec.agent_config()},
+    ]

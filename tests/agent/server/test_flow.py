@@ -1,0 +1,228 @@
+"""A job driven through the API as the operator drives it, with real agent processes.
+
+`test_a_job_grows_shrinks_aborts_checkpoints_and_drains` starts 4 agent processes (a0..a3) and
+drives one job through: a first world of 2 members, a grow to 4 (2 standing-by agents join), a
+shrink to 2 members with tp=2 (2 leave), an aborted reconfiguration, a checkpoint, the drain of a
+member that received SIGTERM, and a member killed outright; releases end the agents.
+`test_a_one_member_job_trains_to_its_end` starts 1 agent process: a job of a few steps.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+pytest.importorskip("torch", reason="the agent needs torch (the agent extra)")
+
+from liveshard.v1 import agent_pb2 as pb
+
+from .agents import CONFIG, Agent, Phase, agents, layout
+
+Code = grpc.StatusCode
+
+
+class Steps:
+    """Every (epoch, step) an agent's status stream shows, collected in a thread."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.seen: list[tuple[int, int]] = []
+        self.stream = agent.call("WatchStatus", pb.WatchStatusRequest(), timeout=None)
+        self.thread = threading.Thread(target=self._follow, daemon=True)
+        self.thread.start()
+
+    def _follow(self) -> None:
+        try:
+            for status in self.stream:
+                self.seen.append((status.epoch, status.step))
+        except grpc.RpcError:
+            pass  # cancelled at the end
+
+    def stop(self) -> list[tuple[int, int]]:
+        self.stream.cancel()
+        self.thread.join(10)
+        return self.seen
+
+
+def host_store(agent: Agent, epoch: int) -> pb.StoreAddress:
+    address = agent.call("HostStore", pb.HostStoreRequest(epoch=epoch)).address
+    assert address.host == "127.0.0.1" and address.port > 0
+    # Asked again (an operator that restarted), the same store.
+    assert agent.call("HostStore", pb.HostStoreRequest(epoch=epoch)).address == address
+    return address
+
+
+def change(
+    epoch: int, store: pb.StoreAddress, old: pb.Layout, new: pb.Layout, at_step: int = 0
+) -> pb.PrepareRequest:
+    request = pb.PrepareRequest(epoch=epoch, store=store, to=new, at_step=at_step)
+    getattr(request, "from").CopyFrom(old)  # `from` is a Python keyword
+    return request
+
+
+def prepare(to: list[Agent], request: pb.PrepareRequest) -> None:
+    for agent in to:
+        agent.call("Prepare", request)
+
+
+def switched(agents_: list[Agent], epoch: int, result: str = "committed") -> list[pb.AgentStatus]:
+    out = []
+    for agent in agents_:
+        status = agent.wait_for(
+            f"the switch of epoch {epoch}",
+            lambda s: s.last_switch.epoch == epoch and s.last_switch.result != "",
+        )
+        assert status.last_switch.result == result, status
+        out.append(status)
+    return out
+
+
+def trains(agent: Agent, past: int) -> pb.AgentStatus:
+    return agent.wait_for(f"training past step {past}",
+                          lambda s: s.phase == Phase.TRAINING and s.step > past)  # fmt: skip
+
+
+@pytest.fixture
+def four(tmp_path: Path) -> Iterator[dict[str, Agent]]:
+    with agents(["a0", "a1", "a2", "a3"], tmp_path) as started:
+        yield started
+
+
+def test_a_job_grows_shrinks_aborts_checkpoints_and_drains(
+    tmp_path: Path, four: dict[str, Agent]
+) -> None:
+    """4 agent processes (a0..a3), driven as the operator drives a job."""
+    a0, a1, a2, a3 = (four[n] for n in ("a0", "a1", "a2", "a3"))
+
+    # The first world: a0 hosts its store; a0 and a1 train; a2 and a3 stand by, pre-warmed.
+    first = layout(["a0", "a1"], dp=2)
+    prepare([a0, a1], pb.PrepareRequest(epoch=0, store=host_store(a0, 0), to=first))
+    prepare([a0], pb.PrepareRequest(epoch=0, store=host_store(a0, 0), to=first))  # a replay: OK
+    for agent in (a0, a1):
+        status = trains(agent, 2)
+        assert status.epoch == 0 and status.layout == first and status.ready
+    assert a2.status().phase == Phase.STANDBY
+    steps = Steps(a0)
+
+    # Grow to 4: prepared while training, held, then released to switch at an agreed step.
+    grown = layout(["a0", "a1", "a2", "a3"], dp=4)
+    grow = change(1, host_store(a0, 1), first, grown, at_step=-1)
+    prepare([a0, a1, a2, a3], grow)
+    assert a2.status().phase == Phase.JOINING
+    err = a2.refused("Release", pb.ReleaseRequest())
+    assert err.code() == Code.FAILED_PRECONDITION and "joining" in (err.details() or "")
+    err = a0.refused("Prepare", pb.PrepareRequest(epoch=2, store=grow.store, to=grown))
+    assert err.code() == Code.FAILED_PRECONDITION and "epoch 1 is pending" in str(err.details())
+    for agent in (a0, a1, a2, a3):
+        status = agent.wait_for("epoch 1 prepared",
+                                lambda s: s.pending.state == pb.Pending.PREPARED)  # fmt: skip
+        assert status.pending.epoch == 1 and status.pending.at_step == -1
+    before = a0.status().step
+    assert not a0.status().HasField("last_switch")  # held: nothing switched yet
+    for agent in (a0, a1, a2, a3):
+        agent.call("Switch", pb.SwitchRequest(epoch=1, at_step=0))
+    for status in switched([a0, a1, a2, a3], 1):
+        assert status.layout == grown and status.epoch == 1 and status.phase == Phase.TRAINING
+        assert status.last_switch.step >= before and status.last_switch.network_bytes > 0
+        assert status.last_switch.to == "dp=4,tp=1,pp=1,ep=1,zero=0,pp_layers=4"
+    assert len({s.last_switch.step for s in switched([a0, a1, a2, a3], 1)}) == 1  # one step
+    err = a1.refused("Release", pb.ReleaseRequest())
+    assert err.code() == Code.FAILED_PRECONDITION and "member of the world in effect" in str(err)
+
+    # Shrink to a0 and a2 with tp=2, switching as soon as all are prepared; a1 and a3 leave.
+    shrunk = layout(["a0", "a2"], tp=2)
+    shrink = change(2, host_store(a0, 2), grown, shrunk)
+    prepare([a0, a1, a2, a3], shrink)
+    switched([a0, a1, a2, a3], 2)
+    for agent in (a0, a2):
+        assert trains(agent, 0).layout == shrunk
+    for agent in (a1, a3):  # left: standing by, showing the world in effect without them
+        status = agent.status()
+        assert (status.phase, status.epoch, status.layout) == (Phase.STANDBY, 2, shrunk)
+
+    # A standing-by agent is released and exits; a member is not.
+    a3.call("Release", pb.ReleaseRequest())
+    assert a3.wait_exit() == 0
+    err = a0.refused("Release", pb.ReleaseRequest())
+    assert err.code() == Code.FAILED_PRECONDITION
+
+    # A reconfiguration given up before its switch: the job keeps its layout.
+    three = layout(["a0", "a2", "a1"], pp=3)
+    attempt = change(3, host_store(a0, 3), shrunk, three, at_step=-1)
+    prepare([a0, a2, a1], attempt)
+    for agent in (a0, a2, a1):
+        agent.call("Abort", pb.AbortRequest(epoch=3))
+        agent.call("Abort", pb.AbortRequest(epoch=3))  # again: already done
+    for status in switched([a0, a2], 3, "aborted"):
+        assert status.epoch == 2 and status.layout == shrunk and not status.HasField("pending")
+    assert a1.wait_for("no pending", lambda s: not s.HasField("pending")).phase == Phase.STANDBY
+    err = a0.refused("Prepare", attempt)
+    assert err.code() == Code.INVALID_ARGUMENT and "epoch=3 was used before" in str(err)
+    trains(a0, a0.status().step)
+
+    # A checkpoint, agreed by both members.
+    path = str(tmp_path / "ckpt-1")
+    for agent in (a0, a2):
+        agent.call("Checkpoint", pb.CheckpointRequest(number=1, path=path, at_step=0))
+    for agent in (a0, a2):
+        status = agent.wait_for("checkpoint 1", lambda s: s.last_checkpoint.number == 1)
+        assert status.last_checkpoint.path == path and status.last_checkpoint.step > 0
+    saved = json.loads((tmp_path / "ckpt-1" / "liveshard.json").read_text())
+    assert saved["members"] == ["a0", "a2"] and saved["scalars"]["step"] > 0
+    err = a0.refused("Checkpoint", pb.CheckpointRequest(number=1, path=path))
+    assert err.code() == Code.INVALID_ARGUMENT and "greater than 1" in str(err)
+
+    # Drain: a2 gets SIGTERM, keeps serving and training; its state moves to a1 (brought back
+    # from standby), and then it is released.
+    a2.signal()
+    status = a2.wait_for("terminating", lambda s: s.terminating)
+    assert trains(a2, status.step).phase == Phase.TRAINING
+    err = a2.refused("HostStore", pb.HostStoreRequest(epoch=4))
+    assert err.code() == Code.FAILED_PRECONDITION and "terminating" in str(err)
+    drained = layout(["a0", "a1"], dp=2)
+    drain = change(4, host_store(a0, 4), shrunk, drained)
+    prepare([a0, a2, a1], drain)
+    switched([a0, a2, a1], 4)
+    assert a2.status().phase == Phase.STANDBY and a2.proc.poll() is None  # still up
+    a2.call("Release", pb.ReleaseRequest())
+    assert a2.wait_exit() == 0
+    for agent in (a0, a1):
+        assert trains(agent, agent.status().step).layout == drained
+
+    # Through it all, a0's step never went back and its epoch only rose.
+    seen = steps.stop()
+    assert len(seen) > 10
+    assert seen == sorted(seen), seen
+
+    # A member that dies without warning breaks the world: the survivor reports FAILED and why,
+    # refuses work, keeps serving its status, and exits (status 1) once released.
+    a1.signal(signal.SIGKILL)
+    status = a0.wait_for("failed", lambda s: s.phase == Phase.FAILED)
+    assert status.message and status.ready
+    err = a0.refused("Checkpoint", pb.CheckpointRequest(number=2, path=path))
+    assert err.code() == Code.FAILED_PRECONDITION and "failed" in str(err.details())
+    a0.call("Release", pb.ReleaseRequest())
+    assert a0.wait_exit() == 1
+
+
+def test_a_one_member_job_trains_to_its_end(tmp_path: Path) -> None:
+    """1 agent process: a job of 6 steps runs to DONE, and the agent exits when released."""
+    config = {**CONFIG, "training": {**CONFIG["training"], "steps": 6}}  # type: ignore[dict-item]
+    with agents(["solo"], tmp_path, LIVESHARD_CONFIG=json.dumps(config)) as started:
+        solo = started["solo"]
+        request = pb.PrepareRequest(epoch=0, store=host_store(solo, 0), to=layout(["solo"]))
+        solo.call("Prepare", request)
+        err = solo.refused("Prepare", pb.PrepareRequest(epoch=1, store=request.store,
+                                                        to=layout(["solo"])))  # fmt: skip
+        assert err.code() == Code.FAILED_PRECONDITION
+        status = solo.wait_for("the end", lambda s: s.phase == Phase.DONE)
+        assert status.step == status.steps == 6 and status.samples == 6 * 4
+        err = solo.refused("Checkpoint", pb.CheckpointRequest(number=1, path=str(tmp_path)))
+        assert err.code() == Code.FAILED_PRECONDITION
+        solo.call("Release", pb.ReleaseRequest())
+        assert solo.wait_exit() == 0

@@ -1,0 +1,53 @@
+"""What the CRD and chart tests share: the repository's deployment files, installing the CRD on a
+test cluster, and the example job as a mutable dict. No test lives here."""
+
+from __future__ import annotations
+
+import copy
+import uuid
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from liveshard_e2e.testing import Kube
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD_FILE = ROOT / "crds" / "elastictrainingjobs.liveshard.io.yaml"
+CRD_NAME = "elastictrainingjobs.liveshard.io"
+CHART = ROOT / "charts" / "liveshard"
+EXAMPLES = ROOT / "examples"
+API = "/apis/liveshard.io/v1alpha1"
+
+
+def install_crd(kube: Kube) -> None:
+    """Applies the CRD (server-side, idempotent: other tests of the session may have installed the
+    same file) and waits until the API server serves it. Never deleted: it is cluster-scoped and
+    shared by every test of the session."""
+    kube.run(
+        "kubectl",
+        "apply",
+        "--server-side",
+        "--force-conflicts",
+        "--field-manager=liveshard-tests",
+        "-f",
+        str(CRD_FILE),
+    )
+    kube.run("kubectl", "wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
+
+
+def crd_schema() -> dict[str, Any]:
+    """The openAPIV3Schema of the CRD's one version, as written in crds/."""
+    crd = yaml.safe_load(CRD_FILE.read_text())
+    (version,) = crd["spec"]["versions"]
+    return dict(version["schema"]["openAPIV3Schema"])
+
+
+def example(name: str) -> dict[str, Any]:
+    """A fresh copy of ``examples/<name>.yaml``."""
+    return copy.deepcopy(yaml.safe_load((EXAMPLES / f"{name}.yaml").read_text()))
+
+
+def release_name() -> str:
+    """A helm release name unique in the cluster (its ClusterRole is cluster-scoped)."""
+    return f"ls-{uuid.uuid4().hex[:6]}"

@@ -1,0 +1,126 @@
+"""The operator's pure parts: the job spec, rendered objects, the layout choice, conditions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from liveshard_operator import conditions, policy, render
+from liveshard_operator.spec import JobSpec, parse_quantity
+
+from liveshard_core.errors import InvalidInput
+
+JOB = {
+    "apiVersion": "liveshard.io/v1alpha1",
+    "kind": "ElasticTrainingJob",
+    "metadata": {"name": "tiny", "namespace": "ns", "uid": "u-1", "generation": 3},
+    "spec": {
+        "replicas": 4, "minReplicas": 1, "maxReplicas": 8,
+        "parallelism": {"zero": 1},
+        "model": {"preset": "tiny"},
+        "training": {"globalBatch": 24, "microBatch": 2, "seqLen": 64, "steps": 100},
+        "reconfiguration": {"memoryBudget": "64Mi"},
+        "template": {"metadata": {"labels": {"team": "a"}},
+                     "spec": {"containers": [{"name": "agent", "command": ["liveshard-agent"],
+                                              "env": [{"name": "X", "value": "1"}]}]}},
+    },
+}  # fmt: skip
+
+
+def test_spec_parses_with_defaults_and_agent_config() -> None:
+    spec = JobSpec.parse(JOB["spec"])
+    assert (spec.replicas, spec.min_replicas, spec.max_replicas) == (4, 1, 8)
+    assert spec.device == "cpu" and spec.budget_bytes == 64 << 20
+    assert spec.deadlines == {"op": 30.0, "switch": 120.0, "prepare": 300.0}
+    config = json.loads(spec.agent_config())
+    assert config["model"] == {"preset": "tiny"} and config["training"]["global_batch"] == 24
+    # On CPU the model trains in fp32 without a master copy, as the agents build it.
+    assert spec.model_spec().config.param_dtype.value == "fp32"
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        ({"model": {"preset": "nope"}}, "unknown model 'nope'"),
+        ({"model": {"preset": "tiny", "spec": {}}}, "exactly one of preset and spec"),
+        ({"model": {"spec": {"name": "m", "vocab": 8}}}, "missing required field"),
+        ({"reconfiguration": {"memoryBudget": "lots"}}, "memoryBudget='lots'"),
+        ({"parallelism": {"tp": 3}}, "spec.parallelism: layout: tp=3 must divide heads=4 of tiny"),
+        ({"parallelism": {"ep": 2}}, "ep=2 must divide the number of experts"),
+    ],
+)
+def test_bad_specs_name_the_field(change: dict, fragment: str) -> None:
+    with pytest.raises(InvalidInput, match=fragment):
+        JobSpec.parse({**JOB["spec"], **change})
+
+
+def test_quantities() -> None:
+    assert parse_quantity("256Mi", "f") == 256 << 20
+    assert parse_quantity("2G", "f") == 2 * 10**9
+    assert parse_quantity(1024, "f") == 1024
+
+
+def test_worker_pod_runs_the_agent_with_its_environment() -> None:
+    spec = JobSpec.parse(JOB["spec"])
+    pod = render.worker_pod(JOB, spec)
+    assert pod["metadata"]["generateName"] == "tiny-"
+    assert pod["metadata"]["labels"] == {"team": "a", "liveshard.io/job": "tiny",
+                                         "liveshard.io/role": "standby"}  # fmt: skip
+    assert pod["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+    agent = pod["spec"]["containers"][0]
+    env = {e["name"]: e for e in agent["env"]}
+    assert env["X"]["value"] == "1"  # the user's own environment comes first and stays
+    assert env["LIVESHARD_MEMBER"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["LIVESHARD_POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env["LIVESHARD_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "tiny-token",
+                                                                   "key": "token"}  # fmt: skip
+    assert json.loads(env["LIVESHARD_CONFIG"]["value"]) == json.loads(spec.agent_config())
+    assert pod["spec"]["restartPolicy"] == "Never"
+    # The grace period outlasts a prepare and a switch: a leaving pod's state can move out.
+    assert pod["spec"]["terminationGracePeriodSeconds"] > 300 + 120
+    assert JOB["spec"]["template"]["spec"]["containers"][0]["env"] == [{"name": "X", "value": "1"}]
+
+
+def test_secret_and_budget() -> None:
+    secret = render.token_secret(JOB)
+    assert len(secret["stringData"]["token"]) == 64
+    assert secret["stringData"]["token"] != render.token_secret(JOB)["stringData"]["token"]
+    pdb = render.disruption_budget(JOB)
+    assert pdb["spec"] == {
+        "maxUnavailable": 1,
+        "selector": {"matchLabels": {"liveshard.io/job": "tiny"}},
+    }
+    assert render.selector("tiny") == "liveshard.io/job=tiny,liveshard.io/role=member"
+
+
+@pytest.mark.parametrize(
+    ("members", "used", "dp"),
+    [(4, 4, 4), (3, 3, 3), (5, 4, 4), (1, 1, 1), (8, 8, 4), (7, 6, 6)],
+)
+def test_policy_uses_the_most_members_the_global_batch_allows(
+    members: int, used: int, dp: int
+) -> None:
+    spec = JobSpec.parse(JOB["spec"])  # global batch 24, micro-batch 2: dp must divide 12
+    choice = policy.choose(spec.model_spec(), spec, members)
+    assert (choice.used, choice.degrees.dp) == (used, dp)
+
+
+def test_policy_keeps_fixed_degrees_and_says_when_nothing_fits() -> None:
+    spec = JobSpec.parse({**JOB["spec"], "parallelism": {"tp": 2, "zero": 1}})
+    choice = policy.choose(spec.model_spec(), spec, 5)
+    assert (choice.used, choice.degrees.tp, choice.degrees.dp) == (4, 2, 2)
+    fixed = JobSpec.parse({**JOB["spec"], "parallelism": {"tp": 2, "pp": 2}})
+    with pytest.raises(InvalidInput, match="no layout of at most 3 members fits tiny"):
+        policy.choose(fixed.model_spec(), fixed, 3)
+
+
+def test_conditions_move_on_flips_and_terminal_ones_stay() -> None:
+    conds = conditions.Conditions([], generation=2)
+    conds.set("Ready", True, "Running", "ok")
+    first = dict(conds.get("Ready") or {})
+    conds.set("Ready", True, "Running", "still ok")
+    assert conds.get("Ready")["lastTransitionTime"] == first["lastTransitionTime"]  # type: ignore[index]
+    assert conds.get("Ready")["observedGeneration"] == 2  # type: ignore[index]
+    conds.set("Succeeded", True, "Trained", "done")
+    conds.set("Succeeded", False, "Again", "no")
+    assert conds.get("Succeeded")["status"] == "True" and conds.terminal()  # type: ignore[index]
