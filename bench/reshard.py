@@ -8,14 +8,18 @@ measures, in the same run and on the same processes:
 
 - the live switch (`Reconfiguration`): `prepare` (plan, schedule, digest agreement, groups; in
   the background in a real job, so not part of the pause), then `switch`, the whole pause, whose
-  wall time is taken as the maximum over ranks after a barrier. `transfer_seconds` is the
-  `transfer` part (every round of sends and receives into the shadow buffers that prepare
-  allocated, with the local copies and the old state's checksum overlapping the first round);
-  the rest of the pause is the new state's checksum and the vote (whose time is mostly waiting
-  for the slowest member). `unverified_*` repeat the switch with `verify=False` (no
-  checksums). `local_copy_seconds` times the plan's local copies alone, on
-  the side, into a fresh scratch state. Each switch must commit, send exactly the plan's network
-  bytes, and leave every new rank's state equal to the seeded expectation, or the run fails.
+  wall time is taken as the maximum over ranks after a barrier. It checks the moved bytes
+  (`Verification.MOVED`, the default). `transfer_seconds` is the `transfer` part (every round of
+  sends and receives into the shadow that prepare allocated, checksummed as they go, with the
+  local copies overlapping the first round); the rest of the pause is the vote (mostly waiting
+  for the slowest member). `round_overhead_seconds` is the pause minus the raw transport time of
+  the same bytes, divided by the schedule's rounds. `unverified_*` repeat the switch with
+  `verify=False` (no checksums); `bounded_*` with the bounded memory mode (`MemoryMode.BOUNDED`:
+  the old state copied to host memory at the switch, its device storage given back as the
+  transfer goes, the shadow allocated as it is filled). `local_copy_seconds` times the plan's
+  local copies alone, on the side, into a fresh scratch state. Each switch must commit, send
+  exactly the plan's network bytes, and leave every new rank's state equal to the seeded
+  expectation, or the run fails.
 - the raw transport limit: for every (src, dst) pair of the plan, one contiguous uint8 buffer of
   that pair's total network bytes, all posted at once with plain `send`/`recv` on a
   ProcessGroupGloo over the same 4 processes, wait all; receive buffers are allocated and touched
@@ -53,8 +57,12 @@ Reported per transition (one JSON object per line, all written to --out when giv
 byte counts, times, bandwidths, their ratios to the targets (the switch's transfer reaches at
 least 80% of the raw transport's bandwidth; the switch is at least 20x faster than
 checkpoint/restart), and memory above the steady state: `peak_extra_bytes` is the maximum over
-ranks of Memory.shadow + Memory.peak_staging, `rss_peak_extra_bytes` the measured peak resident
-set above the resident set before the switch (Linux VmHWM, reset through /proc/self/clear_refs).
+ranks of `Memory.peak_extra` (shadow plus buffers in flight, minus old storage given back) in the
+resident mode, `bounded_peak_extra_bytes` the same in the bounded mode (with
+`bounded_within_budget_plus_growth`: whether every member stayed within the budget plus its own
+growth), `rss_peak_extra_bytes` the measured peak resident set above the resident set before the
+switch (Linux VmHWM, reset through /proc/self/clear_refs). On a CPU device "device memory" is
+the process's memory, so the bounded mode's host copy is in the resident set too.
 CPU only: `--device cuda` is not offered (no GPU to test it on; DCP placement, NCCL groups and
 one device per process would all need to change). Every process uses one torch thread, since 4
 processes share 2 cores here.
@@ -91,7 +99,7 @@ from torch.distributed.checkpoint.state_dict_saver import save
 
 from liveshard_agent.engine.backend import Group, new_group, sharded_tensor
 from liveshard_agent.engine.state import TORCH_DTYPES, ShardedState
-from liveshard_agent.engine.switch import Reconfiguration, Timeouts
+from liveshard_agent.engine.switch import MemoryMode, Reconfiguration, Timeouts
 from liveshard_agent.engine.world import StoreAddress, connect_store
 from liveshard_core.layout.layout import Layout, parse_degrees
 from liveshard_core.layout.region import partition, place
@@ -237,7 +245,12 @@ def setup(index: int, size: int, port: int) -> int:
 
 
 def prepare(
-    config: dict[str, Any], transition: Transition, epoch: int, budget: int, verify: bool
+    config: dict[str, Any],
+    transition: Transition,
+    epoch: int,
+    budget: int,
+    verify: bool,
+    memory: str,
 ) -> Any:
     """Seed this worker's old state, time the plan's local copies into a scratch state (to split
     the switch's transfer time), and prepare its side of the switch (if it takes part)."""
@@ -252,7 +265,8 @@ def prepare(
         return None
     reconfig = Reconfiguration(
         spec=spec, old=old, new=new, member=member, store=CONTEXT["store"], epoch=epoch,
-        device=CPU, budget=budget, timeouts=TIMEOUTS, verify=verify, job="bench",
+        device=CPU, budget=budget, timeouts=TIMEOUTS, verify=verify, memory=MemoryMode(memory),
+        job="bench",
     )  # fmt: skip
     start = time.perf_counter()
     reconfig.prepare_in_background().result()
@@ -294,13 +308,14 @@ def dcp_save(directory: str, epoch: int) -> float | None:
 def switch() -> dict[str, Any]:
     """Every worker meets at a barrier; union members then run the switch, timed."""
     reconfig: Reconfiguration | None = CONTEXT["reconfig"]
-    _barrier(CONTEXT["group"])
-    if reconfig is None:
-        return {}
     state: ShardedState | None = CONTEXT.pop("state")
+    # Collected before the barrier, so that every member starts the switch at the same moment.
     gc.collect()
     rss_before = _rss()
     tracked = _reset_peak_rss()
+    _barrier(CONTEXT["group"])
+    if reconfig is None:
+        return {}
     start = time.perf_counter()
     result = reconfig.switch(state)
     seconds = time.perf_counter() - start
@@ -314,6 +329,8 @@ def switch() -> dict[str, Any]:
         "stats": asdict(result.stats),
         "memory": asdict(result.memory),
         "rss_peak_extra": None if rss_peak is None else rss_peak - rss_before,
+        "record": result.record.as_dict(),
+        "growth": (result.state.nbytes if result.state is not None else 0) - result.memory.old,
         "wrong_boxes": [],
     }
     if result.state is not None and reconfig.member in reconfig.new.members:
@@ -474,15 +491,20 @@ def run_once(
     plan: Plan,
     epoch: int,
     budget: int,
+    *,
     verify: bool = True,
+    memory: str = "resident",
+    with_checkpoint: bool = False,
 ) -> dict[str, Any]:
-    """One repetition from the seeded old state: with `verify`, DCP save, restart and load, then
-    the switch; without, the switch alone, its checksums skipped."""
+    """One repetition from the seeded old state: with `with_checkpoint`, DCP save, restart and
+    load, then the switch (`verify`: checksums of the moved bytes or none; `memory`: a
+    `MemoryMode` value)."""
     config_dict = asdict(config)
     prepared = [p for p in pool.all("prepare", config=config_dict, transition=transition,
-                                    epoch=epoch, budget=budget, verify=verify) if p]  # fmt: skip
+                                    epoch=epoch, budget=budget, verify=verify,
+                                    memory=memory) if p]  # fmt: skip
     checkpoint: dict[str, Any] = {}
-    if verify:
+    if with_checkpoint:
         # Checkpoint/restart first, from the same seeded old state the switch then starts from.
         checkpoint = checkpoint_restart(pool, store, config_dict, transition, epoch)
 
@@ -505,7 +527,12 @@ def run_once(
         "switch": _max(switched, "switch"),
         "parts": parts,
         "rounds": max(s["stats"]["rounds"] for s in switched),
-        "peak_extra": max(s["memory"]["shadow"] + s["memory"]["peak_staging"] for s in switched),
+        "peak_extra": max(s["memory"]["peak_extra"] for s in switched),
+        # Whether every member's peak extra memory stayed within the budget plus its growth.
+        "within_bound": all(
+            s["memory"]["peak_extra"] <= budget + max(s["growth"], 0) for s in switched
+        ),
+        "memory_mode": {s["record"]["memory_mode"] for s in switched}.pop(),
         "peak_staging": max(s["memory"]["peak_staging"] for s in switched),
         "rss_peak_extra": max(rss) if rss else None,
         **checkpoint,
@@ -548,13 +575,17 @@ def measure(
     spec = ModelSpec.from_config(config)
     old, new = transition.layouts(spec)
     plan = build_plan(spec, old, new)
-    runs = [run_once(pool, store, config, transition, plan, next(epochs), budget)
-            for _ in range(repeat)]  # fmt: skip
-    unverified = min(
-        (run_once(pool, store, config, transition, plan, next(epochs), budget, verify=False)
-         for _ in range(repeat)),
-        key=lambda r: r["switch"],
-    )  # fmt: skip
+    runs = [run_once(pool, store, config, transition, plan, next(epochs), budget,
+                     with_checkpoint=True) for _ in range(repeat)]  # fmt: skip
+
+    def fastest(**options: Any) -> dict[str, Any]:
+        return min(
+            (run_once(pool, store, config, transition, plan, next(epochs), budget, **options)
+             for _ in range(repeat)),
+            key=lambda r: r["switch"],
+        )  # fmt: skip
+
+    unverified, bounded = fastest(verify=False), fastest(memory="bounded")
     best = min(runs, key=lambda r: r["switch"])
     ckpt = min(runs, key=lambda r: r["checkpoint_total"])
     pairs = [
@@ -600,6 +631,8 @@ def measure(
         "checkpoint_bytes": ckpt["checkpoint_bytes"],
         "checkpoint_dir": ckpt["checkpoint_dir"],
         "speedup": round(ckpt["checkpoint_total"] / switch_seconds, 2),
+        # The pause beyond the raw transport of the same bytes, per schedule round.
+        "round_overhead_seconds": round((switch_seconds - raw) / max(best["rounds"], 1), 5),
         "targets_met": {
             "fraction_of_raw>=0.8": raw / transfer >= 0.8,
             "speedup>=20": ckpt["checkpoint_total"] / switch_seconds >= 20,
@@ -610,6 +643,14 @@ def measure(
         "unverified_fraction_of_raw": round(raw / unverified["parts"]["transfer"], 3),
         "unverified_speedup": round(ckpt["checkpoint_total"] / unverified["switch"], 2),
         "peak_extra_bytes": best["peak_extra"],
+        "memory_mode": best["memory_mode"],
+        # The bounded memory mode (old state to host memory, shadow filled as old storage is
+        # given back), verified, in the same run.
+        "bounded_switch_seconds": round(bounded["switch"], 4),
+        "bounded_transfer_seconds": round(bounded["parts"]["transfer"], 4),
+        "bounded_speedup": round(ckpt["checkpoint_total"] / bounded["switch"], 2),
+        "bounded_peak_extra_bytes": bounded["peak_extra"],
+        "bounded_within_budget_plus_growth": bounded["within_bound"],
         "peak_staging_bytes": best["peak_staging"],
         "rss_peak_extra_bytes": best["rss_peak_extra"],
         "budget_bytes": budget,

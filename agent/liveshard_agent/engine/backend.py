@@ -3,6 +3,7 @@
 Everything else imports public names from `torch.distributed`. Here live:
 - group construction straight from a store (gloo for CPU, NCCL for CUDA, with NCCL's options);
 - coalescing a round of point-to-point operations into one NCCL group call;
+- copying many small tensors in one call (`copy_all`, torch's multi-tensor `_foreach_copy_`);
 - ShardedTensors with explicit global metadata, which `torch.distributed.checkpoint` needs to save
   and load arbitrary boxes (the public constructor all-gathers metadata and rejects replicas).
 As TorchFT's `process_group.py` does, each backend's private calls stay inside one function, so a
@@ -77,6 +78,13 @@ def start_coalescing(group: Group, device: torch.device) -> None:
 
 def end_coalescing(group: Group, device: torch.device) -> Work:
     return cast(Work, group._end_coalescing(device))  # type: ignore[attr-defined]
+
+
+def copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """`targets[i].copy_(sources[i])` for every i, in one call: a packed message's pieces cost
+    one dispatch instead of one each."""
+    if targets:
+        torch._foreach_copy_(targets, sources)
 
 
 def sharded_tensor(

@@ -46,14 +46,24 @@ class SwitchRecord:
     cause: str | None  # a `Cause` value when aborted
     reason: str
     verified: bool  # whether checksums were compared before the vote
-    seconds: dict[str, float]  # prepare phases (plan, groups, shadow) and the pause's parts
+    verification: str  # a `modes.Verification` value: none, moved or state
+    memory_mode: str  # a `modes.MemoryMode` value: resident or bounded
+    seconds: dict[str, float]  # prepare phases (plan, groups, program, shadow) and the pause's
+    # parts (transfer, host_copy in the bounded mode, checksum_new, vote, restore on a bounded
+    # abort, pause)
     pause_seconds: float
-    local_bytes: int
+    local_bytes: int  # kept by this member: copied, or passed on whole (bounded mode)
     sent_bytes: int
     received_bytes: int
-    rounds: int
-    shadow_bytes: int
+    rounds: int  # schedule rounds this member sent or received in
+    messages: int  # sends and receives it posted
+    stalls: int  # times a round waited for earlier rounds' buffers to make room for it
+    shadow_bytes: int  # device memory allocated for the new state
+    kept_bytes: int  # old boxes passed on whole to the new state (bounded mode)
+    released_bytes: int  # the old state's device storage given back (bounded mode)
+    host_bytes: int  # the old state's host copy (bounded mode)
     peak_staging_bytes: int
+    peak_extra_bytes: int  # peak device memory above the old state: shadow + staging - released
     budget_bytes: int
 
     def as_dict(self) -> dict[str, Any]:

@@ -8,13 +8,21 @@ A `Reconfiguration` is one member's side of one epoch's change, and moves throug
    the plan and schedule, agree on the plan digest through the store before any byte moves, build
    the union group, the new world and the zeroed shadow state. A prepare that fails or passes its
    deadline ends in FAILED.
-2. PREPARED -> SWITCHING (`switch`, at a step boundary, every union member at once): checksum the
-   old state, run the schedule into the shadow, checksum the shadow, and vote: one all-reduce over
+   The member's program (`program`: the schedule's rounds as messages) is laid out
+   here too, so the pause runs no planning code.
+2. PREPARED -> SWITCHING (`switch`, at a step boundary, every union member at once): run the
+   program into the shadow, checksumming as the verification asks (`modes.Verification`: the
+   moved bytes as they are sent and received, by default), and vote (`vote`): one all-reduce over
    the union group, within the switch deadline, of every member's failure flag and checksums.
 3. -> COMMITTED if nobody failed and every logical tensor's checksums match: the shadow becomes
    the state, the caller's old state object is released (see `state`). -> ABORTED otherwise: the
-   shadow is dropped and the caller keeps its old state exactly as it was. Every member decides
-   from the same all-reduced vote. A prepared reconfiguration that will not switch is `abort`ed.
+   shadow is dropped and the caller keeps its old state exactly as it was (in the bounded memory
+   mode, restored from its host copy: see `offload`). Every member decides from the same
+   all-reduced vote. A prepared reconfiguration that will not switch is `abort`ed.
+
+Memory (`modes.MemoryMode`): RESIDENT (the default) allocates the whole shadow in prepare and
+keeps the old state as it is; BOUNDED keeps the old state in host memory and fills the shadow as
+the old device storage is given back, within the budget plus the member's own growth.
 
 Timeouts, short to long (`Timeouts`): one operation < the switch deadline < the prepare deadline.
 A deadline that passes aborts; nothing waits longer. Known window: a member that dies *during* the
@@ -34,20 +42,36 @@ from datetime import timedelta
 from enum import Enum
 
 import torch
-from torch.distributed import AllreduceOptions, ReduceOp, Store
+from torch.distributed import Store
 
 from liveshard_core.layout.layout import Layout
 from liveshard_core.plan.plan import Plan, build_plan
 from liveshard_core.plan.schedule import Schedule, build_schedule
-from liveshard_core.vps.spec import ModelSpec
+from liveshard_core.vps.box import Box
+from liveshard_core.vps.spec import ModelSpec, TensorRef
 
 from .backend import Group
-from .checksum import Checksums
+from .checksum import Checksums, MovedSums
 from .errors import Cause, EpochReused, PhaseError, PlanMismatch, PrepareTimeout, TransferError
-from .executor import Memory, TransferStats, run_schedule
+from .executor import Memory, Resident, Storage, TransferStats, run_program
+from .modes import MemoryMode, Verification
+from .offload import Bounded, HostCopy
+from .program import Program, build_program
 from .record import SwitchRecord, context_logger
-from .state import ShardedState
-from .world import World, union_group
+from .shadow import allocate_shadow
+from .state import ShardedState, region_boxes
+from .vote import cast
+from .world import World, close_in_background, union_group
+
+__all__ = [
+    "MemoryMode",
+    "Phase",
+    "Reconfiguration",
+    "SwitchHooks",
+    "SwitchResult",
+    "Timeouts",
+    "Verification",
+]
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +119,8 @@ class SwitchResult:
     memory: Memory
     record: SwitchRecord
     seconds: dict[str, float] = field(default_factory=dict)  # the pause: transfer (with local
-    # copies and the old state's checksum), checksum_new, vote
+    # copies and checksums that overlap it; in the bounded mode also the host copy, also given
+    # alone as host_copy), checksum_new (the whole new state's, with Verification.STATE), vote
 
 
 @dataclass(frozen=True)
@@ -120,15 +145,21 @@ class Reconfiguration:
         budget: int,
         timeouts: Timeouts | None = None,
         lost: frozenset[str] = frozenset(),
-        verify: bool = True,
+        verify: bool | Verification = True,
+        memory: MemoryMode = MemoryMode.RESIDENT,
         job: str = "",
         hooks: SwitchHooks | None = None,
     ) -> None:
         """`lost` names old members that died with their state: the plan uses surviving copies.
-        `verify=False` skips the checksums: the vote then only carries failures, and the bytes
-        are trusted to the transport."""
+        `verify` chooses what the vote compares (`Verification`; True is MOVED, False is NONE:
+        the vote then only carries failures, and the bytes are trusted to the transport).
+        `memory` chooses how old state and shadow share the device (`MemoryMode`)."""
+        if not isinstance(memory, MemoryMode):
+            raise TypeError(f"memory must be a MemoryMode, got {memory!r}")
         self.spec, self.old, self.new, self.member, self.lost = spec, old, new, member, lost
-        self.verify, self.job = verify, job
+        self.verification = Verification.of(verify)
+        self.verify = self.verification is not Verification.NONE
+        self.memory_mode, self.job = memory, job
         self.store, self.epoch, self.device, self.budget = store, epoch, device, budget
         self.timeouts = timeouts or Timeouts()
         self.hooks = hooks or SwitchHooks()
@@ -142,7 +173,12 @@ class Reconfiguration:
         self.schedule: Schedule | None = None
         self.union: Group | None = None
         self.world: World | None = None
-        self.shadow: ShardedState | None = None
+        self.shadow: ShardedState | None = None  # the resident mode's, allocated in prepare
+        self.program: Program | None = None
+        self._new_boxes: dict[TensorRef, list[Box]] = {}
+        self._landings: dict[tuple[int, int], torch.Tensor] = {}  # where packed messages land
+        self._host: HostCopy | None = None  # the bounded mode's, allocated in prepare
+        self._moved: MovedSums | None = None
 
     @property
     def phase(self) -> Phase:
@@ -227,15 +263,46 @@ class Reconfiguration:
                 device=self.device, timeout=self.timeouts.op,
             )  # fmt: skip
         self.seconds["groups"] = time.perf_counter() - start
-        # The new state's storage, first-touched here so that the pause does not pay for it.
         start = time.perf_counter()
-        if self.member in self.new.ranks:
+        self.program = self._lay_out(self.plan, self.schedule)
+        self.seconds["program"] = time.perf_counter() - start
+        # Memory the pause writes into, first-touched here so that the pause does not pay for
+        # page faults: the whole shadow (resident), or the old state's host copy (bounded).
+        start = time.perf_counter()
+        old_rank = self._old_rank()
+        if self.memory_mode is MemoryMode.BOUNDED:
+            if old_rank is not None:
+                self._host = HostCopy.allocate(self.spec, self.old, old_rank, self.device)
+        elif self.member in self.new.ranks:
             rank = self.new.rank_of(self.member)
-            self.shadow = ShardedState.allocate(self.spec, self.new, rank, self.device)
+            laid_out = allocate_shadow(self.spec, self.new, rank, self.device, self.program)
+            self.shadow, self._landings = laid_out.state, laid_out.landings
         self.seconds["shadow"] = time.perf_counter() - start
         self.log.info(
-            "prepared: plan %s, %s rounds", self.plan.digest[:12], len(self.schedule.rounds)
-        )
+            "prepared: plan %s, %s rounds, %s of them with messages here, %s memory, "
+            "verification %s",
+            self.plan.digest[:12], len(self.schedule.rounds), self.program.active_rounds,
+            self.memory_mode.value, self.verification.value,
+        )  # fmt: skip
+
+    def _old_rank(self) -> int | None:
+        if self.member in self.old.ranks and self.member not in self.lost:
+            return self.old.rank_of(self.member)
+        return None
+
+    def _lay_out(self, plan: Plan, schedule: Schedule) -> Program:
+        """This member's program, and what it needs to check the moved bytes."""
+        old_rank = self._old_rank()
+        new_rank = self.new.rank_of(self.member) if self.member in self.new.ranks else None
+        old_boxes = {} if old_rank is None else region_boxes(self.spec, self.old, old_rank)
+        self._new_boxes = {} if new_rank is None else region_boxes(self.spec, self.new, new_rank)
+        program = build_program(
+            schedule, plan.slot_of(self.member), old_boxes=old_boxes, new_boxes=self._new_boxes,
+            sends_need_buffers=self.memory_mode is MemoryMode.BOUNDED,
+        )  # fmt: skip
+        if self.verification is Verification.MOVED:
+            self._moved = MovedSums(program, len(plan.members), self.device)
+        return program
 
     def _claim_epoch(self) -> None:
         """Refuse an epoch this member already used on this store: its keys would mislead."""
@@ -247,9 +314,12 @@ class Reconfiguration:
             )
 
     def _agree_on_digest(self, plan: Plan) -> None:
-        """Publish this member's plan digest and compare it with every other member's."""
+        """Publish this member's plan digest, with the settings every member must share (the
+        budget, which cuts the rounds, and the verification, which shapes the vote), and compare
+        it with every other member's."""
         prefix = f"liveshard/{self.epoch}/digest/"
-        self.store.set(prefix + self.member, plan.digest)
+        agreed = f"{plan.digest} budget={self.budget} verify={self.verification.value}"
+        self.store.set(prefix + self.member, agreed)
         keys = [prefix + m for m in plan.members]
         try:
             self.store.wait(keys, timedelta(seconds=self.timeouts.prepare))
@@ -264,13 +334,14 @@ class Reconfiguration:
         differ = [
             m
             for m, k in zip(plan.members, keys, strict=True)
-            if self.store.get(k).decode() != plan.digest
+            if self.store.get(k).decode() != agreed
         ]
         if differ:
             raise PlanMismatch(
-                f"epoch {self.epoch}: members {differ} computed a different plan than "
-                f"{self.member} (digest {plan.digest[:12]}); they disagree about the model, "
-                "layouts or members"
+                f"epoch {self.epoch}: members {differ} computed a different plan or settings "
+                f"than {self.member} (digest {plan.digest[:12]}, budget {self.budget}, "
+                f"verification {self.verification.value}); they disagree about the model, "
+                "layouts, members, budget or verification"
             )
 
     def abort(self) -> None:
@@ -288,7 +359,8 @@ class Reconfiguration:
     def _release_prepared(self) -> None:
         with self._lock:
             union, shadow = self.union, self.shadow
-            self.union, self.world, self.shadow = None, None, None
+            self.union, self.world, self.shadow, self._host = None, None, None, None
+            self._landings = {}
         if union is not None:
             union.abort()
         if shadow is not None:
@@ -299,32 +371,48 @@ class Reconfiguration:
     def switch(self, old_state: ShardedState | None) -> SwitchResult:
         """Move the state into the new layout; commit or abort everywhere together."""
         self._advance((Phase.PREPARED,), Phase.SWITCHING)
-        assert self.plan is not None and self.schedule is not None and self.union is not None
+        assert self.plan is not None and self.program is not None and self.union is not None
         begin = time.perf_counter()
         deadline = time.monotonic() + self.timeouts.switch
-        slot = self.plan.slot_of(self.member)
         shadow, self.shadow = self.shadow, None
-        memory = Memory(self.budget, old=old_state.nbytes if old_state else 0)
-        memory.shadow = shadow.nbytes if shadow is not None else 0
+        host, self._host = self._host, None
+        landings, self._landings = self._landings, {}
+        memory = Memory(self.budget, self.memory_mode, old=old_state.nbytes if old_state else 0)
+        if shadow is not None:
+            memory.allocate(shadow.nbytes)  # held since prepare
+        if host is not None:
+            memory.host = host.nbytes
         sums = {
             "old": Checksums.zeros(self.spec, self.device),
             "new": Checksums.zeros(self.spec, self.device),
         }
-
-        def checksum_old() -> None:  # reads the old state only: runs while round 0 is in flight
-            if old_state is not None:
-                sums["old"] = Checksums.of_state(old_state)
-
+        whole_state = self.verification is Verification.STATE
         seconds: dict[str, float] = {}
         failure: _Failure | None = None
         stats = TransferStats()
+        bounded: Bounded | None = None
         start = time.perf_counter()
         try:
-            stats = run_schedule(
-                self.schedule, slot=slot, old=old_state, shadow=shadow, group=self.union,
-                deadline=deadline, epoch=self.epoch, memory=memory,
-                overlap=checksum_old if self.verify else None,
-                before_round=self.hooks.before_round,
+            storage: Storage
+            overlap: Callable[[], object] | None = None
+            if self.memory_mode is MemoryMode.BOUNDED:
+                if whole_state and old_state is not None:  # before any storage is given back
+                    sums["old"] = Checksums.of_state(old_state)
+                bounded = self._bounded(old_state, host, memory, seconds)
+                storage = bounded
+            else:
+                resident = Resident(self.program, old_state, shadow, landings)
+                storage = resident
+
+                def overlap() -> None:  # reads the old state only: while round 0 is in flight
+                    resident.copy_local()
+                    if whole_state and old_state is not None:
+                        sums["old"] = Checksums.of_state(old_state)
+
+            stats = run_program(
+                self.program, storage=storage, group=self.union, device=self.device,
+                members=self.plan.members, deadline=deadline, epoch=self.epoch, memory=memory,
+                sums=self._moved, overlap=overlap, before_round=self.hooks.before_round,
             )  # fmt: skip
         except TransferError as err:
             # The union is broken: abort it at once, so that peers waiting on this member fail
@@ -333,9 +421,12 @@ class Reconfiguration:
             self.union.abort()
         except Exception as err:  # a hook, or a fault of this member's own: it votes no
             failure = _Failure(Cause.VOTE_NO, f"epoch {self.epoch}: {self.member} failed: {err!r}")
+        stats.local_bytes = sum(c.nbytes for c in self.program.local)
         seconds["transfer"] = time.perf_counter() - start
+        if bounded is not None and failure is None:
+            shadow = bounded.state()
         start = time.perf_counter()
-        if shadow is not None and failure is None and self.verify:
+        if shadow is not None and failure is None and whole_state:
             sums["new"] = Checksums.of_state(shadow)
         seconds["checksum_new"] = time.perf_counter() - start
         if failure is None and self.hooks.before_vote is not None:
@@ -348,14 +439,15 @@ class Reconfiguration:
 
         start = time.perf_counter()
         broken = failure is not None and failure.cause in (Cause.PEER_FAILED, Cause.DEADLINE_PASSED)
-        outcome = failure if broken else self._vote(failure, sums["old"], sums["new"], deadline)
+        outcome = failure if broken else self._vote(failure, sums, deadline)
         seconds["vote"] = time.perf_counter() - start
         if outcome is not None and not broken:
             # Operations a failure left pending would each hold the group's teardown for a
             # whole timeout; aborting ends them (and tells peers still waiting) at once.
             self.union.abort()
-        self.union = None  # the union group is done either way; dropping it closes it
-        seconds["pause"] = time.perf_counter() - begin
+        # The union group is done either way; it closes in the background, off the pause.
+        spent, self.union = [self.union], None
+        close_in_background(spent)
         if outcome is None:
             self._phase = Phase.COMMITTED
             if old_state is not None:
@@ -365,7 +457,12 @@ class Reconfiguration:
             self._phase = Phase.ABORTED
             if shadow is not None:
                 shadow.release()
+            if bounded is not None:
+                start = time.perf_counter()
+                bounded.abort()  # the old state's storage, back from the host copy
+                seconds["restore"] = time.perf_counter() - start
             state, world, self.world = old_state, None, None
+        seconds["pause"] = time.perf_counter() - begin
         record = self._record(outcome, stats, memory, seconds)
         (self.log.info if outcome is None else self.log.warning)("switch %s", record.to_json())
         cause, reason = (
@@ -375,38 +472,66 @@ class Reconfiguration:
             outcome is None, cause, reason, state, world, stats, memory, record, seconds
         )
 
+    def _bounded(
+        self,
+        old_state: ShardedState | None,
+        host: HostCopy | None,
+        memory: Memory,
+        seconds: dict[str, float],
+    ) -> Bounded:
+        """The bounded mode's storage, after the old state went to the host copy."""
+        assert self.program is not None
+        start = time.perf_counter()
+        if old_state is not None:
+            if host is None:
+                raise ValueError(
+                    f"epoch {self.epoch}: {self.member} has an old state but no host copy: it "
+                    "was not a member of the old layout when prepared"
+                )
+            host.take(old_state)
+        seconds["host_copy"] = time.perf_counter() - start
+        new_rank = self.new.rank_of(self.member) if self.member in self.new.ranks else None
+        return Bounded(
+            self.program, spec=self.spec, old=old_state, host=host, new=self.new,
+            new_rank=new_rank, new_boxes=self._new_boxes, device=self.device, memory=memory,
+        )  # fmt: skip
+
     def _vote(
-        self, failure: _Failure | None, old: Checksums, new: Checksums, deadline: float
+        self, failure: _Failure | None, sums: dict[str, Checksums], deadline: float
     ) -> _Failure | None:
         """All-reduce failures and checksums over the union; the outcome's failure, or None to
         commit. Every member that completes the vote reaches the same decision."""
-        assert self.union is not None
-        flag = torch.tensor([0 if failure is None else 1], device=self.device)
-        vote = torch.cat([flag, old.flat, new.flat])
-        options = AllreduceOptions()
-        options.reduceOp = ReduceOp.SUM
-        options.timeout = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+        assert self.union is not None and self.plan is not None
+        if self.verification is Verification.STATE:
+            before, after = sums["old"].flat, sums["new"].flat
+        elif self.verification is Verification.MOVED and self._moved is not None:
+            before, after = self._moved.totals()
+        else:
+            before = after = torch.zeros(0, dtype=torch.int64, device=self.device)
         try:
-            self.union.allreduce([vote], options).wait()
+            tally = cast(
+                self.union, failed=failure is not None, before=before, after=after,
+                deadline=deadline, device=self.device,
+            )  # fmt: skip
         except RuntimeError as err:
             return failure or _Failure(
                 Cause.VOTE_INCOMPLETE, f"epoch {self.epoch}: the vote did not complete: {err}"
             )
-        failed = int(vote[0])
-        if failed:
+        if tally.failed:
             if failure is not None:
                 return failure
-            return _Failure(Cause.VOTE_NO, f"epoch {self.epoch}: {failed} member(s) voted no")
-        n = old.flat.numel()
-        total_old = Checksums.from_flat(self.spec, vote[1 : 1 + n])
-        total_new = Checksums.from_flat(self.spec, vote[1 + n :])
-        bad = total_old.differing(total_new)
-        if bad:
-            names = [self.spec.tensor_name(ref) for ref in bad[:5]]
-            return _Failure(
-                Cause.CHECKSUM_MISMATCH,
-                f"epoch {self.epoch}: checksums differ after the transfer for {names}",
-            )
+            return _Failure(Cause.VOTE_NO, f"epoch {self.epoch}: {tally.failed} member(s) voted no")
+        if self.verification is Verification.STATE:
+            total_old = Checksums.from_flat(self.spec, tally.before)
+            total_new = Checksums.from_flat(self.spec, tally.after)
+            names = [self.spec.tensor_name(ref) for ref in total_old.differing(total_new)[:5]]
+            what = f"checksums differ after the transfer for {names}"
+        else:
+            slots = MovedSums.differing(tally.before, tally.after)
+            names = [self.plan.members[s] for s in slots[:5]]
+            what = f"the bytes received by {names} differ from the bytes sent to them"
+        if names:
+            return _Failure(Cause.CHECKSUM_MISMATCH, f"epoch {self.epoch}: {what}")
         return None
 
     def _record(
@@ -426,13 +551,21 @@ class Reconfiguration:
             cause=None if outcome is None else outcome.cause.value,
             reason=f"epoch {self.epoch}: committed" if outcome is None else outcome.reason,
             verified=self.verify,
+            verification=self.verification.value,
+            memory_mode=memory.mode.value,
             seconds={k: round(v, 6) for k, v in {**self.seconds, **pause}.items()},
             pause_seconds=round(pause["pause"], 6),
             local_bytes=stats.local_bytes,
             sent_bytes=stats.sent_bytes,
             received_bytes=stats.received_bytes,
             rounds=stats.rounds,
+            stalls=stats.stalls,
+            messages=stats.messages,
             shadow_bytes=memory.shadow,
+            kept_bytes=memory.kept,
+            released_bytes=memory.released,
+            host_bytes=memory.host,
             peak_staging_bytes=memory.peak_staging,
+            peak_extra_bytes=memory.peak_extra,
             budget_bytes=memory.budget,
         )

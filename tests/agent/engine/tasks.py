@@ -2,7 +2,8 @@
 
 A worker keeps `CONTEXT` between tasks, so a test can run several switches in one process
 lifetime. Faults are installed from here, through the switch's hooks, as a test asks for them
-(`inject`): the product itself has no fault injection.
+(`inject`), or by wrapping the union group a reconfiguration prepared (`CorruptingGroup`): the
+product itself has no fault injection.
 """
 
 from __future__ import annotations
@@ -18,8 +19,21 @@ from torch.distributed import AllreduceOptions
 from liveshard_agent.engine.checksum import Checksums
 from liveshard_agent.engine.errors import PlanMismatch
 from liveshard_agent.engine.state import ShardedState
-from liveshard_agent.engine.switch import Reconfiguration, SwitchHooks, Timeouts
-from liveshard_agent.engine.world import Axis, StoreAddress, World, connect_store, host_store
+from liveshard_agent.engine.switch import (
+    MemoryMode,
+    Reconfiguration,
+    SwitchHooks,
+    Timeouts,
+    Verification,
+)
+from liveshard_agent.engine.world import (
+    Axis,
+    StoreAddress,
+    World,
+    connect_store,
+    host_store,
+    wait_closed,
+)
 from liveshard_core.layout.layout import parse_degrees
 from liveshard_core.vps.presets import preset
 from liveshard_core.vps.spec import ModelSpec, TransformerConfig
@@ -56,6 +70,34 @@ def inject(fault: tuple[str, int, float] | None) -> SwitchHooks:
     return SwitchHooks(before_round=before_round)
 
 
+class CorruptingGroup:
+    """A union group that changes one bit of the first message this member receives, once it
+    has arrived: a transport that delivers a wrong byte."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.corrupted: str | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.group, name)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
+        return _CorruptOnWait(self, self.group.recv(tensors, src, tag), tensors[0])
+
+
+class _CorruptOnWait:
+    def __init__(self, owner: CorruptingGroup, work: Any, buffer: torch.Tensor) -> None:
+        self.owner, self.work, self.buffer = owner, work, buffer
+
+    def wait(self, *args: Any) -> Any:
+        done = self.work.wait(*args)
+        if self.owner.corrupted is None and self.buffer.numel() > 0:
+            bits = self.buffer.reshape(-1).view(torch.uint8)
+            bits[0] = int(bits[0]) ^ 1
+            self.owner.corrupted = f"{self.buffer.dtype} of {self.buffer.numel()} elements"
+        return done
+
+
 def host() -> int:
     """Host the job's store in this worker (a surviving member hosts it); returns its port."""
     CONTEXT["store"] = host_store(StoreAddress("127.0.0.1", 0), timeout=30)
@@ -63,7 +105,9 @@ def host() -> int:
 
 
 def usage() -> dict[str, int]:
-    """Native threads and resident bytes of this worker."""
+    """Native threads and resident bytes of this worker, once the groups of past switches have
+    closed (they close in the background)."""
+    assert wait_closed(30), "groups still closing after 30 s"
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     return {"threads": len(os.listdir("/proc/self/task")), "rss": rss,
@@ -92,10 +136,14 @@ def switch(
     keep: bool = False,
     train: bool = False,
     lost: tuple[str, ...] = (),
-    verify: bool = True,
+    verify: bool | str = Verification.STATE.value,
+    memory: str = MemoryMode.RESIDENT.value,
+    corrupt: bool = False,
 ) -> dict[str, Any]:
     """One member's side of a switch from `old` to `new` (degrees text, members), starting from
-    the seeded state (or the state kept from the previous task with `keep`)."""
+    the seeded state (or the state kept from the previous task with `keep`). The tests verify the
+    whole state unless they ask otherwise (`verify`: a `Verification` value, or a bool).
+    `corrupt` changes one bit of the first message this member receives."""
     spec = _spec(model)
     old_layout = parse_degrees(old[0]).layout(spec, old[1])
     new_layout = parse_degrees(new[0]).layout(spec, new[1])
@@ -106,10 +154,12 @@ def switch(
         if state is None:
             state = ShardedState.seeded(spec, old_layout, old_layout.rank_of(member), seed, CPU)
     before = Checksums.of_state(state).sums.tolist() if state is not None else None
+    before_bytes = state.nbytes if state is not None else 0
     reconfig = Reconfiguration(
         spec=spec, old=old_layout, new=new_layout, member=member, store=store, epoch=epoch,
         device=CPU, budget=budget, timeouts=Timeouts(*timeouts), lost=frozenset(lost),
-        verify=verify, job="test", hooks=inject(fault),
+        verify=Verification(verify) if isinstance(verify, str) else verify,
+        memory=MemoryMode(memory), job="test", hooks=inject(fault),
     )  # fmt: skip
     old_world = None
     if train and member in old_layout.ranks:
@@ -126,6 +176,10 @@ def switch(
         intact = state is not None and not state.matches_seed(seed)
         return {"committed": False, "reason": str(err), "cause": err.cause.value,
                 "mismatch": True, "intact": intact}  # fmt: skip
+    corrupting = None
+    if corrupt:
+        corrupting = CorruptingGroup(reconfig.union)
+        reconfig.union = corrupting  # type: ignore[assignment]
     start = time.monotonic()  # the switch alone: what its deadline bounds
     result = reconfig.switch(state)
     elapsed = time.monotonic() - start
@@ -148,6 +202,8 @@ def switch(
         "sent": result.stats.sent_bytes,
         "received": result.stats.received_bytes,
         "steps_while_preparing": steps,
+        "corrupted": corrupting.corrupted if corrupting is not None else None,
+        "old_bytes": before_bytes,
         "phases": {k: round(v, 3) for k, v in result.seconds.items()},
     }
 

@@ -2,7 +2,8 @@
 
 Each transition starts every old member from the seeded state, switches, and checks on every new
 member that every box equals the seeded expectation bit for bit (the vote already compared the
-layout-independent checksums before and after).
+layout-independent checksums before and after: the tests verify the whole state unless they say
+otherwise). Both memory modes run: resident (the default) and bounded.
 """
 
 from __future__ import annotations
@@ -173,3 +174,102 @@ def test_unverified_switch_moves_the_same_bytes(pool: Pool) -> None:
         for key in ("sent", "received", "rounds", "state_bytes"):
             assert r[key] == verified[member][key], (member, key)
         assert (r["record"]["verified"], verified[member]["record"]["verified"]) == (False, True)
+
+
+BOUNDED = ["dp grow 2->4", "dp shrink 4->2", "tp 1->2 fused", "tp 2->3 non power of two",
+           "pp 2 -> 1 with a member removed", "ep 1 -> 2 with tp", "zero 3 -> 1", "1 -> N",
+           "N -> 1"]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", BOUNDED)
+def test_bounded_mode_commits_within_the_budget_plus_growth(pool: Pool, name: str) -> None:
+    model, old, new = TRANSITIONS[name]
+    budget = 16 << 10
+    results = run_switch(pool, model, old, new, budget=budget, memory="bounded")
+    for member, r in results.items():
+        assert r["committed"], f"{member}: {r['reason']}"
+        assert r["wrong_boxes"] == [], f"{member} holds boxes that differ from the seed"
+        assert r["old_released"] == (member in old[1]), member
+        record = r["record"]
+        assert record["memory_mode"] == "bounded"
+        growth = max(0, r["state_bytes"] - r["old_bytes"])
+        # Device memory above the old state never exceeded the budget plus the member's growth.
+        assert record["peak_extra_bytes"] <= budget + growth, (member, record)
+        assert r["peak_staging"] <= budget
+    # Old boxes were given back as the transfer went, wherever one was not passed on whole.
+    assert any(r["record"]["released_bytes"] > 0 for r in results.values())
+
+
+@pytest.mark.parametrize(
+    "fault", [("vote_no", 0, 0), ("corrupt", 0, 0)], ids=["vote no", "wrong byte"]
+)
+def test_bounded_abort_restores_the_old_state_bit_for_bit(
+    pool: Pool, fault: tuple[str, int, float]
+) -> None:
+    # m1 leaves and m4, m5 join: old boxes are given back during the transfer, then restored.
+    old, new = ("dp=2,zero=1", names(2)), ("tp=2,dp=2,zero=1", ["m0", "m2", "m4", "m5"])
+    faults, only = {}, {}
+    if fault[0] == "corrupt":
+        only = {"m4": {"corrupt": True}}
+    else:
+        faults = {"m5": fault}
+    results = run_switch(pool, "tiny", old, new, budget=16 << 10, memory="bounded",
+                         verify="moved", faults=faults, only=only)  # fmt: skip
+    _assert_all_aborted_intact(results)
+    for member in old[1]:
+        r = results[member]
+        # Its old storage had been given back, and came back from the host copy: every box
+        # equals the seed bit for bit (`_assert_all_aborted_intact`) in the same object.
+        assert r["record"]["released_bytes"] > 0, (member, r["record"])
+        assert r["record"]["seconds"]["restore"] >= 0
+    expected = "checksum_mismatch" if fault[0] == "corrupt" else "vote_no"
+    assert {r["cause"] for r in results.values()} == {expected}, results
+    # The restored state switches again, and commits.
+    retried = run_switch(pool, "tiny", old, new, budget=16 << 10, memory="bounded",
+                         verify="moved")  # fmt: skip
+    assert all(r["committed"] and not r["wrong_boxes"] for r in retried.values()), retried
+
+
+@pytest.mark.parametrize("verify", ["moved", "state"])
+def test_a_wrong_byte_received_aborts_everywhere(pool: Pool, verify: str) -> None:
+    # dp=1 after the change: every box has one holder, which the whole-state check counts (it
+    # counts each box at its lowest-ranked holder only; the moved-bytes check sees every copy).
+    model, old, new = TRANSITIONS["tp 2->3 non power of two"]
+    results = run_switch(pool, model, old, new, budget=16 << 10, verify=verify,
+                         only={"m2": {"corrupt": True}})  # fmt: skip
+    assert results["m2"]["corrupted"], "the test transport changed nothing"
+    _assert_all_aborted_intact(results)
+    assert {r["cause"] for r in results.values()} == {"checksum_mismatch"}, results
+    if verify == "moved":  # the vote names the member whose bytes arrived wrong
+        assert all("['m2']" in r["reason"] for r in results.values()), results
+
+
+def test_a_wrong_byte_at_a_replica_is_caught_by_the_moved_check(pool: Pool) -> None:
+    model, old, new = TRANSITIONS["tp 1->2 fused"]  # m3 is a dp replica of m1 afterwards
+    results = run_switch(pool, model, old, new, budget=16 << 10, verify="moved",
+                         only={"m3": {"corrupt": True}})  # fmt: skip
+    assert results["m3"]["corrupted"], "the test transport changed nothing"
+    _assert_all_aborted_intact(results)
+    assert all("['m3']" in r["reason"] for r in results.values()), results
+
+
+@pytest.mark.parametrize("name", ["dp grow 2->4", "tp 2->3 non power of two", "N -> 1"])
+def test_moved_verification_commits(pool: Pool, name: str) -> None:
+    model, old, new = TRANSITIONS[name]
+    results = run_switch(pool, model, old, new, budget=16 << 10, verify=True)
+    for member, r in results.items():
+        assert r["committed"], f"{member}: {r['reason']}"
+        assert r["wrong_boxes"] == []
+        assert (r["record"]["verification"], r["record"]["verified"]) == ("moved", True)
+
+
+def test_members_that_disagree_about_the_budget_or_verification_are_refused(pool: Pool) -> None:
+    old, new = ("dp=2,zero=1", names(2)), ("dp=3,zero=1", names(3))
+    for differ in ({"budget": 8 << 10}, {"verify": "none"}):
+        results = run_switch(pool, "tiny", old, new, budget=16 << 10, verify="moved",
+                             timeouts=(5, 10, 10), only={"m2": differ})  # fmt: skip
+        for member, r in results.items():
+            assert r.get("mismatch"), r
+            assert r["cause"] == "plan_mismatch"
+            assert r["intact"] == (member in old[1]), member  # a joining member holds nothing
+        assert all("m2" in r["reason"] for m, r in results.items() if m != "m2")
