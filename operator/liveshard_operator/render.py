@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import secrets
 from typing import Any
 
@@ -80,7 +81,7 @@ def worker_pod(job: dict[str, Any], spec: JobSpec) -> dict[str, Any]:
     agent = containers[0]
     agent.setdefault("name", "agent")
     agent.setdefault("command", ["liveshard-agent"])
-    agent["env"] = [*(agent.get("env") or []), *_agent_env(name, spec)]
+    agent["env"] = [*(agent.get("env") or []), *_agent_env(name, spec), *_threads(agent)]
     ports = agent.setdefault("ports", [])
     if not any(p.get("containerPort") == spec.port for p in ports):
         ports.append({"name": "agent", "containerPort": spec.port})
@@ -106,6 +107,29 @@ def worker_pod(job: dict[str, Any], spec: JobSpec) -> dict[str, Any]:
         },
         "spec": pod_spec,
     }
+
+
+def cpu_count(quantity: Any) -> int | None:
+    """Whole CPUs of a Kubernetes CPU quantity (`500m`, `2`, `1.5`), rounded up, at least 1;
+    None when it is not one."""
+    text = str(quantity).strip()
+    try:
+        cores = float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+    except ValueError:
+        return None
+    return max(1, math.ceil(cores)) if math.isfinite(cores) and cores > 0 else None
+
+
+def _threads(agent: dict[str, Any]) -> list[dict[str, Any]]:
+    """torch's intra-op threads for the CPUs the container has (its CPU limit, else its
+    request), unless the user set them: by default torch starts a thread per core of the node,
+    and members sharing a node would then slow each other's collectives to a crawl."""
+    if any(e.get("name") == "OMP_NUM_THREADS" for e in agent.get("env") or []):
+        return []
+    resources = agent.get("resources") or {}
+    cpus = [cpu_count((resources.get(k) or {}).get("cpu", "")) for k in ("limits", "requests")]
+    threads = next((c for c in cpus if c is not None), None)
+    return [] if threads is None else [{"name": "OMP_NUM_THREADS", "value": str(threads)}]
 
 
 def _agent_env(job_name: str, spec: JobSpec) -> list[dict[str, Any]]:

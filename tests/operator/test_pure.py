@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -79,6 +80,25 @@ def test_worker_pod_runs_the_agent_with_its_environment() -> None:
     # The grace period outlasts a prepare and a switch: a leaving pod's state can move out.
     assert pod["spec"]["terminationGracePeriodSeconds"] > 300 + 120
     assert JOB["spec"]["template"]["spec"]["containers"][0]["env"] == [{"name": "X", "value": "1"}]
+
+
+@pytest.mark.parametrize(
+    ("resources", "env", "threads"),
+    [
+        ({}, [], None),  # nothing said: torch's own default
+        ({"requests": {"cpu": "100m"}}, [], "1"),
+        ({"requests": {"cpu": "1500m"}, "limits": {"cpu": "3"}}, [], "3"),
+        ({"requests": {"cpu": "2"}, "limits": None}, [], "2"),
+        ({"limits": {"cpu": "lots"}}, [], None),
+        ({"requests": {"cpu": "4"}}, [{"name": "OMP_NUM_THREADS", "value": "8"}], "8"),
+    ],
+)
+def test_torch_threads_follow_the_containers_cpus(resources: dict, env: list, threads: str) -> None:
+    job = copy.deepcopy(JOB)
+    job["spec"]["template"]["spec"]["containers"][0].update(resources=resources, env=env)
+    agent = render.worker_pod(job, JobSpec.parse(job["spec"]))["spec"]["containers"][0]
+    values = [e["value"] for e in agent["env"] if e["name"] == "OMP_NUM_THREADS"]
+    assert values == ([] if threads is None else [threads])
 
 
 def test_secret_and_budget() -> None:
