@@ -189,10 +189,10 @@ def member_steps(count: int) -> list[tuple[float, bool]]:
         preparing = member.pending is not None and not member.pending.future.done()
         start = time.perf_counter()
         member.train_step()
-        event = member.at_boundary()
+        events = member.at_boundary()
         out.append((time.perf_counter() - start, preparing))
-        if event is not None:
-            raise AssertionError(f"the benchmark's change switched: {event}")
+        if events:
+            raise AssertionError(f"the benchmark's change switched: {events}")
     return out
 
 
