@@ -36,6 +36,7 @@ from .checksum import MovedSums
 from .errors import Cause, TransferError
 from .modes import MemoryMode
 from .program import Locator, Message, Program
+from .shadow import regions
 from .state import ShardedState
 
 
@@ -275,7 +276,7 @@ def _send_buffer(
     if message.packed:
         buf = memory.stage(torch.empty(message.nbytes, dtype=torch.uint8, device=device))
         sources = [view(storage.source(p.ref, p.at.index), p.at) for p in message.parts]
-        backend.copy_all(_regions(buf, message, sources), sources)
+        backend.copy_all(regions(buf, message, [s.dtype for s in sources]), sources)
         return buf
     p = message.parts[0]
     source = view(storage.source(p.ref, p.at.index), p.at)
@@ -302,7 +303,7 @@ def _receive_buffer(
         targets = [view(storage.target(p.ref, p.at.index), p.at) for p in message.parts]
 
         def unpack() -> None:
-            backend.copy_all(targets, _regions(buf, message, targets))
+            backend.copy_all(targets, regions(buf, message, [t.dtype for t in targets]))
 
         return buf, unpack
     p = message.parts[0]
@@ -315,15 +316,6 @@ def _receive_buffer(
         target.copy_(staged)
 
     return staged, copy_in
-
-
-def _regions(buf: torch.Tensor, message: Message, like: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The parts of a packed message's byte buffer, each viewed like the tensor it holds."""
-    sizes = [p.nbytes for p in message.parts]
-    return [
-        chunk.view(t.dtype).view(p.shape)
-        for chunk, t, p in zip(torch.split(buf, sizes), like, message.parts, strict=True)
-    ]
 
 
 def _who(members: tuple[str, ...], peer: int | None) -> str:

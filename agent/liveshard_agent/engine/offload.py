@@ -31,7 +31,7 @@ import torch
 
 from liveshard_core.errors import InvalidInput
 from liveshard_core.layout.layout import Layout
-from liveshard_core.vps.box import Box
+from liveshard_core.vps.box import Box, box_shape
 from liveshard_core.vps.spec import ModelSpec, TensorRef
 
 from . import backend
@@ -41,10 +41,6 @@ from .shadow import landing_views
 from .state import TORCH_DTYPES, ShardedState, region_boxes
 
 log = logging.getLogger(__name__)
-
-
-def _shape(box: Box) -> list[int]:
-    return [hi - lo for lo, hi in box]
 
 
 class HostCopy:
@@ -59,7 +55,7 @@ class HostCopy:
         pin = device.type == "cuda"  # pinned pages copy at full speed, asynchronously
         boxes = {
             ref: [
-                torch.zeros(_shape(b), dtype=TORCH_DTYPES[spec.dtype(ref.kind)], pin_memory=pin)
+                torch.zeros(box_shape(b), dtype=TORCH_DTYPES[spec.dtype(ref.kind)], pin_memory=pin)
                 for b in held
             ]
             for ref, held in region_boxes(spec, layout, rank).items()
@@ -266,7 +262,7 @@ class Bounded:
         nbytes = self._nbytes(nb)
         self._make_room(nbytes)
         dtype = TORCH_DTYPES[self.spec.dtype(nb.ref.kind)]
-        tensor = torch.empty(_shape(box), dtype=dtype, device=self.device)
+        tensor = torch.empty(box_shape(box), dtype=dtype, device=self.device)
         self._allocated(nbytes)
         self.targets[(nb.ref, nb.index)] = tensor
         copies = self._copies.pop((nb.ref, nb.index), [])

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from liveshard_core.plan.matching import Slot
 from liveshard_core.plan.schedule import Schedule
-from liveshard_core.vps.box import Box, volume
+from liveshard_core.vps.box import Box, box_shape, volume
 from liveshard_core.vps.spec import TensorRef
 
 PACK_BELOW = 64 << 10
@@ -214,7 +214,7 @@ def build_program(
         # Largest element size first: every piece of a packed buffer then starts aligned.
         for ref, box in sorted(pieces, key=lambda p: -spec.dtype(p[0].kind).itemsize):
             itemsize = spec.dtype(ref.kind).itemsize
-            shape = tuple(hi - lo for lo, hi in box)
+            shape = box_shape(box)
             parts.append(Part(ref, box, locate(held[ref], box), itemsize, offset, shape))
             offset += volume(box) * itemsize
         return Message(peer, send, tag, tuple(parts), len(parts) > 1, offset)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from liveshard_core.layout.layout import Layout
-from liveshard_core.vps.box import Box
+from liveshard_core.vps.box import Box, box_shape
 from liveshard_core.vps.spec import ModelSpec, TensorRef
 
 from .program import Message, Program
@@ -29,15 +29,22 @@ class Shadow:
     landings: dict[tuple[int, int], torch.Tensor]
 
 
+def regions(block: torch.Tensor, message: Message, dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+    """The parts of a packed message's byte `block`, each viewed as its piece (of `dtypes`)."""
+    sizes = [p.nbytes for p in message.parts]
+    return [
+        chunk.view(dtype).view(p.shape)
+        for chunk, dtype, p in zip(torch.split(block, sizes), dtypes, message.parts, strict=True)
+    ]
+
+
 def landing_views(
     spec: ModelSpec, message: Message, block: torch.Tensor
 ) -> list[tuple[TensorRef, int, torch.Tensor]]:
     """The boxes (tensor, box index, view) that a landing `block` of `message` holds."""
-    sizes = [p.nbytes for p in message.parts]
-    return [
-        (p.ref, p.at.index, chunk.view(TORCH_DTYPES[spec.dtype(p.ref.kind)]).view(p.shape))
-        for p, chunk in zip(message.parts, torch.split(block, sizes), strict=True)
-    ]
+    dtypes = [TORCH_DTYPES[spec.dtype(p.ref.kind)] for p in message.parts]
+    views = regions(block, message, dtypes)
+    return [(p.ref, p.at.index, v) for p, v in zip(message.parts, views, strict=True)]
 
 
 def allocate_shadow(
@@ -62,6 +69,6 @@ def allocate_shadow(
         for i, box in enumerate(ref_boxes):
             landed = tensors.get((ref, i))
             if landed is None:
-                landed = torch.zeros([hi - lo for lo, hi in box], dtype=dtype, device=device)
+                landed = torch.zeros(box_shape(box), dtype=dtype, device=device)
             boxes[ref].append((box, landed))
     return Shadow(ShardedState(spec, layout, rank, device, boxes), landings)

@@ -24,7 +24,7 @@ import torch
 from liveshard_core.errors import InvalidInput
 from liveshard_core.layout.layout import Layout
 from liveshard_core.layout.region import Placed, place, rank_boxes
-from liveshard_core.vps.box import Box, volume
+from liveshard_core.vps.box import Box, box_shape, volume
 from liveshard_core.vps.spec import DType, ModelSpec, StateKind, TensorRef
 
 TORCH_DTYPES = {DType.BF16: torch.bfloat16, DType.FP16: torch.float16, DType.FP32: torch.float32}
@@ -51,10 +51,6 @@ def region_boxes(spec: ModelSpec, layout: Layout, rank: int) -> dict[TensorRef, 
     return out
 
 
-def _shape(box: Box) -> list[int]:
-    return [hi - lo for lo, hi in box]
-
-
 @dataclass
 class ShardedState:
     """The boxes a rank holds under `layout`, keyed by logical tensor in canonical order."""
@@ -72,11 +68,14 @@ class ShardedState:
     ) -> ShardedState:
         """Zeroed storage for every box of the rank's region (a shadow to receive into); zeroing
         touches every page, so later writes do not pay for page faults."""
+
+        def zeros(ref: TensorRef, box: Box) -> torch.Tensor:
+            return torch.zeros(
+                box_shape(box), dtype=TORCH_DTYPES[spec.dtype(ref.kind)], device=device
+            )
+
         boxes = {
-            ref: [
-                (b, torch.zeros(_shape(b), dtype=TORCH_DTYPES[spec.dtype(ref.kind)], device=device))
-                for b in held
-            ]
+            ref: [(b, zeros(ref, b)) for b in held]
             for ref, held in region_boxes(spec, layout, rank).items()
         }
         return cls(spec, layout, rank, device, boxes)
@@ -124,9 +123,10 @@ class ShardedState:
                     f"{name}: {len(given)} tensors given for the {len(held)} boxes {held}"
                 )
             for box, t in zip(held, given, strict=True):
-                if list(t.shape) != _shape(box) or t.dtype != dtype:
+                shape = box_shape(box)
+                if t.shape != shape or t.dtype != dtype:
                     raise InvalidInput(
-                        f"{name} box {list(box)}: expected {dtype} of shape {_shape(box)}, "
+                        f"{name} box {list(box)}: expected {dtype} of shape {list(shape)}, "
                         f"got {t.dtype} of shape {list(t.shape)}"
                     )
             boxes[ref] = list(zip(held, given, strict=True))

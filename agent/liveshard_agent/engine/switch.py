@@ -273,9 +273,8 @@ class Reconfiguration:
         if self.memory_mode is MemoryMode.BOUNDED:
             if old_rank is not None:
                 self._host = HostCopy.allocate(self.spec, self.old, old_rank, self.device)
-        elif self.member in self.new.ranks:
-            rank = self.new.rank_of(self.member)
-            laid_out = allocate_shadow(self.spec, self.new, rank, self.device, self.program)
+        elif (new_rank := self._new_rank()) is not None:
+            laid_out = allocate_shadow(self.spec, self.new, new_rank, self.device, self.program)
             self.shadow, self._landings = laid_out.state, laid_out.landings
         self.seconds["shadow"] = time.perf_counter() - start
         self.log.info(
@@ -290,10 +289,12 @@ class Reconfiguration:
             return self.old.rank_of(self.member)
         return None
 
+    def _new_rank(self) -> int | None:
+        return self.new.rank_of(self.member) if self.member in self.new.ranks else None
+
     def _lay_out(self, plan: Plan, schedule: Schedule) -> Program:
         """This member's program, and what it needs to check the moved bytes."""
-        old_rank = self._old_rank()
-        new_rank = self.new.rank_of(self.member) if self.member in self.new.ranks else None
+        old_rank, new_rank = self._old_rank(), self._new_rank()
         old_boxes = {} if old_rank is None else region_boxes(self.spec, self.old, old_rank)
         self._new_boxes = {} if new_rank is None else region_boxes(self.spec, self.new, new_rank)
         program = build_program(
@@ -490,10 +491,9 @@ class Reconfiguration:
                 )
             host.take(old_state)
         seconds["host_copy"] = time.perf_counter() - start
-        new_rank = self.new.rank_of(self.member) if self.member in self.new.ranks else None
         return Bounded(
             self.program, spec=self.spec, old=old_state, host=host, new=self.new,
-            new_rank=new_rank, new_boxes=self._new_boxes, device=self.device, memory=memory,
+            new_rank=self._new_rank(), new_boxes=self._new_boxes, device=self.device, memory=memory,
         )  # fmt: skip
 
     def _vote(

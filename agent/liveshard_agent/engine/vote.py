@@ -2,7 +2,7 @@
 union group within the switch deadline.
 
 Every member that completes the all-reduce holds the same sums and so draws the same decision
-(`switch.Reconfiguration._decide`). What the checksums are depends on the verification
+(`switch.Reconfiguration._vote`). What the checksums are depends on the verification
 (`modes.Verification`): none, the moved bytes as sent and as received per receiving member, or
 the whole old and new state per logical tensor; the vote only carries two vectors that must agree.
 """

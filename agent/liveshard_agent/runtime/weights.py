@@ -23,7 +23,7 @@ import torch
 
 from liveshard_core.layout.layout import Layout
 from liveshard_core.layout.region import partition, place, rank_boxes
-from liveshard_core.vps.box import Box
+from liveshard_core.vps.box import Box, box_shape
 from liveshard_core.vps.spec import ModelSpec, Param, Placement, StateKind
 
 from ..engine.state import TORCH_DTYPES, ShardedState
@@ -90,7 +90,7 @@ class Weights:
             if zero3:  # full local tensors, filled from the shards by `gather`
                 dtype = TORCH_DTYPES[spec.dtype(StateKind.PARAM)]
                 tensors = [
-                    torch.zeros(_shape(box), dtype=dtype, device=state.device) for box in local
+                    torch.zeros(box_shape(box), dtype=dtype, device=state.device) for box in local
                 ]
             else:  # the state's own parameter boxes (shared storage)
                 tensors = [t.detach() for _, t in state.boxes_of(spec.ref(param.name))]
@@ -147,10 +147,6 @@ class Weights:
         """ZeRO-3: full local tensors for the next forward and backward."""
         if self.layout.zero >= 3:
             self.sync_from_shards()
-
-
-def _shape(box: Box) -> list[int]:
-    return [hi - lo for lo, hi in box]
 
 
 def _assemble(

@@ -25,6 +25,11 @@ def volume(box: Box) -> int:
     return prod(max(0, stop - start) for start, stop in box)
 
 
+def box_shape(box: Box) -> tuple[int, ...]:
+    """The shape of a tensor holding `box`."""
+    return tuple(stop - start for start, stop in box)
+
+
 def is_empty(box: Box) -> bool:
     return any(stop <= start for start, stop in box)
 
