@@ -274,11 +274,11 @@ def prepare(
     CONTEXT["reconfig"] = reconfig
     state: ShardedState | None = CONTEXT["state"]
     if state is not None and member in new.members:
-        assert reconfig.plan is not None
-        slot = reconfig.plan.slot_of(member)
+        assert reconfig.schedule is not None
         scratch = ShardedState.allocate(spec, new, new.rank_of(member), CPU)
         start = time.perf_counter()
-        for ref, piece in reconfig.plan.local_copies(slot):  # what run_schedule does first
+        # What the switch does first.
+        for ref, piece in reconfig.schedule.local_copies(reconfig.schedule.part.slot):
             scratch.view(ref, piece.box).copy_(state.view(ref, piece.box))
         out["local_copy"] = time.perf_counter() - start
         del scratch

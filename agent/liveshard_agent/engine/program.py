@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from liveshard_core.plan.matching import Slot
-from liveshard_core.plan.schedule import Schedule
+from liveshard_core.plan.schedule import MemberSchedule, Schedule
 from liveshard_core.vps.box import Box, box_shape, volume
 from liveshard_core.vps.spec import TensorRef
 
@@ -192,7 +192,7 @@ def _contiguous(box: Box, piece: Box) -> bool:
 
 
 def build_program(
-    schedule: Schedule,
+    schedule: Schedule | MemberSchedule,
     slot: Slot,
     *,
     old_boxes: Mapping[TensorRef, Sequence[Box]],
@@ -202,7 +202,7 @@ def build_program(
     """`slot`'s program. `old_boxes` and `new_boxes` are its own regions (empty when it is not in
     that layout). `sends_need_buffers` counts every send as buffer bytes (the bounded mode: a
     send whose old storage was given back goes out of the host copy, through a device buffer)."""
-    spec = schedule.plan.spec
+    spec = schedule.spec
     counters: dict[tuple[Slot, Slot], int] = defaultdict(int)
 
     def message(peer: Slot, send: bool, pieces: list[tuple[TensorRef, Box]]) -> Message:
@@ -253,14 +253,14 @@ def _ordered(messages: list[Message]) -> tuple[Message, ...]:
 
 
 def _local_copies(
-    schedule: Schedule,
+    schedule: Schedule | MemberSchedule,
     slot: Slot,
     old_boxes: Mapping[TensorRef, Sequence[Box]],
     new_boxes: Mapping[TensorRef, Sequence[Box]],
 ) -> tuple[LocalCopy, ...]:
-    spec = schedule.plan.spec
+    spec = schedule.spec
     out = []
-    for ref, piece in schedule.plan.local_copies(slot):
+    for ref, piece in schedule.local_copies(slot):
         source = locate(old_boxes[ref], piece.box)
         target = locate(new_boxes[ref], piece.box)
         whole = (

@@ -5,9 +5,12 @@ A `Reconfiguration` is one member's side of one epoch's change, and moves throug
 
 1. CREATED -> PREPARING -> PREPARED (`prepare_in_background`, in a thread while the old world
    trains, bounded by the prepare deadline): refuse an epoch already used on this store, compute
-   the plan and schedule, agree on the plan digest through the store before any byte moves, build
-   the union group, the new world and the zeroed shadow state. A prepare that fails or passes its
-   deadline ends in FAILED.
+   the member's own part of the plan (`plan.view.member_plan`: its cost follows what the member
+   holds and needs, not the number of members), agree on the plan digest through the store before
+   any byte moves, build the union group, unite the members' traffic over it (one all-reduce)
+   and cut the member's rounds from it (`plan.schedule.member_schedule`: the rounds the whole
+   plan's schedule gives it), build the new world and the zeroed shadow state. A prepare that
+   fails or passes its deadline ends in FAILED.
    The member's program (`program`: the schedule's rounds as messages) is laid out
    here too, so the pause runs no planning code.
 2. PREPARED -> SWITCHING (`switch`, at a step boundary, every union member at once): run the
@@ -42,12 +45,14 @@ from datetime import timedelta
 from enum import Enum
 
 import torch
-from torch.distributed import Store
+from torch.distributed import ReduceOp, Store
 
 from liveshard_core.layout.layout import Layout
-from liveshard_core.plan.plan import Plan, build_plan
-from liveshard_core.plan.schedule import Schedule, build_schedule
-from liveshard_core.vps.box import Box
+from liveshard_core.plan.plan import change_digest
+from liveshard_core.plan.schedule import MemberSchedule, member_schedule, member_traffic
+from liveshard_core.plan.union import Union
+from liveshard_core.plan.view import MemberPlan, member_plan
+from liveshard_core.vps.box import Box, volume
 from liveshard_core.vps.spec import ModelSpec, TensorRef
 
 from .backend import Group
@@ -60,7 +65,7 @@ from .program import Program, build_program
 from .record import SwitchRecord, context_logger
 from .shadow import allocate_shadow
 from .state import ShardedState, region_boxes
-from .vote import cast
+from .vote import cast, reduce_ints
 from .world import World, close_in_background, union_group
 
 __all__ = [
@@ -169,8 +174,10 @@ class Reconfiguration:
         self._lock = threading.Lock()
         self._prepared: Future[None] = Future()  # resolved by prepare_in_background
         # Built by prepare:
-        self.plan: Plan | None = None
-        self.schedule: Schedule | None = None
+        self.members: tuple[str, ...] = ()  # the union, by slot
+        self.part: MemberPlan | None = None
+        self.schedule: MemberSchedule | None = None
+        self.network_bytes = 0  # the whole plan's, added up over the union
         self.union: Group | None = None
         self.world: World | None = None
         self.shadow: ShardedState | None = None  # the resident mode's, allocated in prepare
@@ -179,6 +186,7 @@ class Reconfiguration:
         self._landings: dict[tuple[int, int], torch.Tensor] = {}  # where packed messages land
         self._host: HostCopy | None = None  # the bounded mode's, allocated in prepare
         self._moved: MovedSums | None = None
+        self._digest = ""
 
     @property
     def phase(self) -> Phase:
@@ -247,16 +255,27 @@ class Reconfiguration:
         self.store = self.store.clone()
         self._claim_epoch()
         start = time.perf_counter()
-        self.plan = build_plan(self.spec, self.old, self.new, self.lost)
-        self.schedule = build_schedule(self.plan, self.budget)
+        union = Union(self.old, self.new, self.lost)
+        self.members = union.members
+        # Raises if the member takes no part.
+        part = member_plan(self.spec, self.old, self.new, self.member, self.lost, union)
+        self.part = part
         self.seconds["plan"] = time.perf_counter() - start
-        self.plan.slot_of(self.member)  # raises if the member takes no part
-        self._agree_on_digest(self.plan)
+        self._agree_on_digest(change_digest(self.spec, self.old, self.new, self.lost))
         start = time.perf_counter()
         self.union = union_group(
-            self.store, epoch=self.epoch, members=self.plan.members, member=self.member,
+            self.store, epoch=self.epoch, members=self.members, member=self.member,
             device=self.device, timeout=self.timeouts.switch,
         )  # fmt: skip
+        deadline = time.monotonic() + self.timeouts.prepare
+        own = member_traffic(part)
+        traffic = own.from_vector(
+            reduce_ints(self.union, own.vector(), ReduceOp.MAX, deadline, self.device)
+        )
+        (self.network_bytes,) = reduce_ints(
+            self.union, [self._sent_bytes(part)], ReduceOp.SUM, deadline, self.device
+        )
+        self.schedule = member_schedule(part, traffic, self.budget)
         if self.member in self.new.ranks:
             self.world = World.build(
                 self.store, epoch=self.epoch, layout=self.new, member=self.member,
@@ -264,7 +283,7 @@ class Reconfiguration:
             )  # fmt: skip
         self.seconds["groups"] = time.perf_counter() - start
         start = time.perf_counter()
-        self.program = self._lay_out(self.plan, self.schedule)
+        self.program = self._lay_out(self.schedule)
         self.seconds["program"] = time.perf_counter() - start
         # Memory the pause writes into, first-touched here so that the pause does not pay for
         # page faults: the whole shadow (resident), or the old state's host copy (bounded).
@@ -280,7 +299,7 @@ class Reconfiguration:
         self.log.info(
             "prepared: plan %s, %s rounds, %s of them with messages here, %s memory, "
             "verification %s",
-            self.plan.digest[:12], len(self.schedule.rounds), self.program.active_rounds,
+            self._digest[:12], len(self.schedule.rounds), self.program.active_rounds,
             self.memory_mode.value, self.verification.value,
         )  # fmt: skip
 
@@ -292,17 +311,27 @@ class Reconfiguration:
     def _new_rank(self) -> int | None:
         return self.new.rank_of(self.member) if self.member in self.new.ranks else None
 
-    def _lay_out(self, plan: Plan, schedule: Schedule) -> Program:
+    @staticmethod
+    def _sent_bytes(part: MemberPlan) -> int:
+        """The bytes the member sends in the whole switch."""
+        return sum(
+            volume(p.box) * cls.itemsize * len(cls)
+            for pattern, cls in part.groups
+            for p in part.network[pattern]
+            if p.src == part.slot
+        )
+
+    def _lay_out(self, schedule: MemberSchedule) -> Program:
         """This member's program, and what it needs to check the moved bytes."""
         old_rank, new_rank = self._old_rank(), self._new_rank()
         old_boxes = {} if old_rank is None else region_boxes(self.spec, self.old, old_rank)
         self._new_boxes = {} if new_rank is None else region_boxes(self.spec, self.new, new_rank)
         program = build_program(
-            schedule, plan.slot_of(self.member), old_boxes=old_boxes, new_boxes=self._new_boxes,
+            schedule, schedule.part.slot, old_boxes=old_boxes, new_boxes=self._new_boxes,
             sends_need_buffers=self.memory_mode is MemoryMode.BOUNDED,
         )  # fmt: skip
         if self.verification is Verification.MOVED:
-            self._moved = MovedSums(program, len(plan.members), self.device)
+            self._moved = MovedSums(program, len(self.members), self.device)
         return program
 
     def _claim_epoch(self) -> None:
@@ -314,19 +343,20 @@ class Reconfiguration:
                 "every reconfiguration takes a new epoch number"
             )
 
-    def _agree_on_digest(self, plan: Plan) -> None:
+    def _agree_on_digest(self, digest: str) -> None:
         """Publish this member's plan digest, with the settings every member must share (the
         budget, which cuts the rounds, and the verification, which shapes the vote), and compare
         it with every other member's."""
         prefix = f"liveshard/{self.epoch}/digest/"
-        agreed = f"{plan.digest} budget={self.budget} verify={self.verification.value}"
+        self._digest = digest
+        agreed = f"{digest} budget={self.budget} verify={self.verification.value}"
         self.store.set(prefix + self.member, agreed)
-        keys = [prefix + m for m in plan.members]
+        keys = [prefix + m for m in self.members]
         try:
             self.store.wait(keys, timedelta(seconds=self.timeouts.prepare))
         except RuntimeError:
             missing = [
-                m for m, k in zip(plan.members, keys, strict=True) if not self.store.check([k])
+                m for m, k in zip(self.members, keys, strict=True) if not self.store.check([k])
             ]
             raise PrepareTimeout(
                 f"epoch {self.epoch}: members {missing} published no plan digest within "
@@ -334,13 +364,13 @@ class Reconfiguration:
             ) from None
         differ = [
             m
-            for m, k in zip(plan.members, keys, strict=True)
+            for m, k in zip(self.members, keys, strict=True)
             if self.store.get(k).decode() != agreed
         ]
         if differ:
             raise PlanMismatch(
                 f"epoch {self.epoch}: members {differ} computed a different plan or settings "
-                f"than {self.member} (digest {plan.digest[:12]}, budget {self.budget}, "
+                f"than {self.member} (digest {digest[:12]}, budget {self.budget}, "
                 f"verification {self.verification.value}); they disagree about the model, "
                 "layouts, members, budget or verification"
             )
@@ -372,7 +402,7 @@ class Reconfiguration:
     def switch(self, old_state: ShardedState | None) -> SwitchResult:
         """Move the state into the new layout; commit or abort everywhere together."""
         self._advance((Phase.PREPARED,), Phase.SWITCHING)
-        assert self.plan is not None and self.program is not None and self.union is not None
+        assert self.program is not None and self.union is not None
         begin = time.perf_counter()
         deadline = time.monotonic() + self.timeouts.switch
         shadow, self.shadow = self.shadow, None
@@ -412,7 +442,7 @@ class Reconfiguration:
 
             stats = run_program(
                 self.program, storage=storage, group=self.union, device=self.device,
-                members=self.plan.members, deadline=deadline, epoch=self.epoch, memory=memory,
+                members=self.members, deadline=deadline, epoch=self.epoch, memory=memory,
                 sums=self._moved, overlap=overlap, before_round=self.hooks.before_round,
             )  # fmt: skip
         except TransferError as err:
@@ -501,7 +531,7 @@ class Reconfiguration:
     ) -> _Failure | None:
         """All-reduce failures and checksums over the union; the outcome's failure, or None to
         commit. Every member that completes the vote reaches the same decision."""
-        assert self.union is not None and self.plan is not None
+        assert self.union is not None
         if self.verification is Verification.STATE:
             before, after = sums["old"].flat, sums["new"].flat
         elif self.verification is Verification.MOVED and self._moved is not None:
@@ -528,7 +558,7 @@ class Reconfiguration:
             what = f"checksums differ after the transfer for {names}"
         else:
             slots = MovedSums.differing(tally.before, tally.after)
-            names = [self.plan.members[s] for s in slots[:5]]
+            names = [self.members[s] for s in slots[:5]]
             what = f"the bytes received by {names} differ from the bytes sent to them"
         if names:
             return _Failure(Cause.CHECKSUM_MISMATCH, f"epoch {self.epoch}: {what}")

@@ -47,3 +47,15 @@ def cast(
     group.allreduce([ballot], options).wait()
     n = before.numel()
     return Tally(int(ballot[0]), ballot[1 : 1 + n], ballot[1 + n :])
+
+
+def reduce_ints(
+    group: Group, values: list[int], op: ReduceOp.RedOpType, deadline: float, device: torch.device
+) -> list[int]:
+    """All-reduce a list of integers with `op` (SUM, MAX) over `group` within the deadline."""
+    tensor = torch.tensor(values, dtype=torch.int64, device=device)
+    options = AllreduceOptions()
+    options.reduceOp = op
+    options.timeout = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+    group.allreduce([tensor], options).wait()
+    return [int(v) for v in tensor.tolist()]

@@ -498,7 +498,6 @@ class Member:
     ) -> SwitchEvent:
         change = pending.change
         prepared = pending.prepared or time.perf_counter()
-        plan = pending.reconfig.plan
         seconds = outcome.seconds if outcome else {}
         return SwitchEvent(
             epoch=change.epoch,
@@ -510,7 +509,7 @@ class Member:
             reason=reason,
             pause_seconds=round(pause, 6),
             prepare_seconds=round(prepared - pending.requested, 6),
-            network_bytes=plan.network_bytes if plan is not None else 0,
+            network_bytes=pending.reconfig.network_bytes,
             report=report,
             checksums=digests,
             switch_seconds={k: round(v, 6) for k, v in seconds.items()},

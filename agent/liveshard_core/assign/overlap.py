@@ -20,8 +20,10 @@ module must not choose an assignment.
 from __future__ import annotations
 
 import dataclasses
+from bisect import bisect_right
 from collections import defaultdict
 from dataclasses import dataclass
+from itertools import pairwise, product
 
 import numpy as np
 import numpy.typing as npt
@@ -29,11 +31,45 @@ import numpy.typing as npt
 from ..layout.layout import Layout
 from ..layout.region import Placed, tp_local_boxes, zero_shard_boxes
 from ..plan.classes import tensor_classes
-from ..plan.matching import BoxGrid
-from ..vps.box import intersect, is_empty, volume
+from ..vps.box import Box, Interval, intersect, is_empty, volume
 from ..vps.spec import ModelSpec
 
 Ints = npt.NDArray[np.int64]
+
+
+class BoxGrid:
+    """Finds which boxes of a partition overlap a query box, one dimension at a time."""
+
+    def __init__(self, boxes: list[Box]) -> None:
+        ndim = len(boxes[0])
+        self.intervals: list[list[Interval]] = []
+        self.starts: list[list[int]] = []
+        index: list[dict[Interval, int]] = []
+        for dim in range(ndim):
+            intervals = sorted({box[dim] for box in boxes})
+            for (_, stop), (start, _) in pairwise(intervals):
+                if start < stop:
+                    raise ValueError(f"boxes overlap partially on dim {dim}: not a partition")
+            self.intervals.append(intervals)
+            self.starts.append([start for start, _ in intervals])
+            index.append({iv: i for i, iv in enumerate(intervals)})
+        self.cells = {
+            tuple(index[d][box[d]] for d in range(ndim)): j for j, box in enumerate(boxes)
+        }
+
+    def overlapping(self, box: Box) -> list[int]:
+        ranges = []
+        for dim, (lo, hi) in enumerate(box):
+            starts, intervals = self.starts[dim], self.intervals[dim]
+            i = max(bisect_right(starts, lo) - 1, 0)
+            hits = []
+            while i < len(intervals) and intervals[i][0] < hi:
+                if intervals[i][1] > lo:
+                    hits.append(i)
+                i += 1
+            ranges.append(hits)
+        cells = self.cells
+        return [cells[c] for c in product(*ranges) if c in cells]
 
 
 def coarse_classes(layout: Layout) -> Ints:

@@ -89,7 +89,7 @@ class Layout:
     @cached_property
     def ranks(self) -> dict[str, int]:
         """Each member's rank."""
-        return {m: r for r, m in enumerate(self.members)}
+        return dict(zip(self.members, range(len(self.members)), strict=True))
 
     def rank_of(self, member: str) -> int:
         try:

@@ -7,14 +7,21 @@ of a fused dim-0 tensor is a contiguous run of the local concatenation, so it ma
 
 Everything a tensor's boxes depend on is its `Placed` value; tensors with equal `Placed` values
 under a layout have equal regions, which is what lets plans be computed once per class of tensors.
+
+`Geometry` is a placement's partition looked up by arithmetic instead of enumerated: the boxes a
+rank holds, the boxes that overlap a given box, and the holders of a box as a product of coordinate
+ranges (`Holders`: its length, its i-th rank, a rank's position), each in time that follows the
+answer, not the ranks (the holders of a replicated box number in the thousands at 10^5 ranks).
+Every box has an *ordinal*, a number that depends only on how the box is cut (tp index, ZeRO shard,
+fused part), so that any member computes the same one for it; boxes are listed in ordinal order.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import product
+from functools import cached_property
 
-from ..vps.box import Box, chunk, full_box, is_empty, replace_dim
+from ..vps.box import Box, chunk, full_box, intersect, is_empty, replace_dim
 from ..vps.spec import ModelSpec, Param, Placement, StateKind, TensorRef
 from .layout import Layout
 
@@ -79,70 +86,226 @@ def tp_local_boxes(placed: Placed, tp: int, tp_i: int | None) -> list[Box]:
 
 def zero_shard_boxes(placed: Placed, local: list[Box], shards: int, index: int) -> list[Box]:
     """Shard `index` of `shards` of the TP-local boxes, cut along dim 0 of the local tensor."""
+    return [box for _, box in shard_boxes(placed, local, shards, index)]
+
+
+def shard_boxes(placed: Placed, local: list[Box], shards: int, index: int) -> list[tuple[int, Box]]:
+    """`zero_shard_boxes`, each box with the index of the local box it comes from."""
     if placed.split_dim != 0:
         # Every local box spans dim 0 whole: the shard is the same rows of each.
         rows = chunk(placed.shape[0], shards, index)
-        return [replace_dim(box, 0, rows) for box in local]
+        return [(b, replace_dim(box, 0, rows)) for b, box in enumerate(local)]
     # Dim 0 of the local tensor is the concatenation of the local boxes' dim-0 intervals.
     total = sum(box[0][1] - box[0][0] for box in local)
     lo, hi = chunk(total, shards, index)
     out, offset = [], 0
-    for box in local:
+    for b, box in enumerate(local):
         start, stop = box[0]
-        a, b = max(lo, offset), min(hi, offset + stop - start)
-        if a < b:
-            out.append(replace_dim(box, 0, (start + a - offset, start + b - offset)))
+        first, last = max(lo, offset), min(hi, offset + stop - start)
+        if first < last:
+            out.append((b, replace_dim(box, 0, (start + first - offset, start + last - offset))))
         offset += stop - start
     return out
 
 
-def _dp_group(layout: Layout, placed: Placed) -> list[int]:
-    """dp indices that hold the tensor (all of dp, or the expert-dp group), in dp order."""
-    if placed.ep_owner is None:
-        return list(range(layout.dp))
-    return list(range(placed.ep_owner, layout.dp, layout.ep))
+@dataclass(frozen=True, slots=True)
+class Holders:
+    """The ranks that hold one box, in rank order: every `(stage, dp index, tp index)` of
+    `stages x dps x tps` under a layout of `dp x tp` ranks per stage."""
+
+    stages: tuple[int, ...]
+    dps: range
+    tps: range
+    dp: int
+    tp: int
+
+    def __len__(self) -> int:
+        return len(self.stages) * len(self.dps) * len(self.tps)
+
+    def rank(self, i: int) -> int:
+        """The i-th holder."""
+        s, rest = divmod(i, len(self.dps) * len(self.tps))
+        d, t = divmod(rest, len(self.tps))
+        return (self.stages[s] * self.dp + self.dps[d]) * self.tp + self.tps[t]
+
+    def index(self, rank: int) -> int | None:
+        """The position of `rank` among the holders, or None when it holds no copy."""
+        rest, t = divmod(rank, self.tp)
+        s, d = divmod(rest, self.dp)
+        if s not in self.stages or d not in self.dps or t not in self.tps:
+            return None
+        return (self.stages.index(s) * len(self.dps) + self.dps.index(d)) * len(
+            self.tps
+        ) + self.tps.index(t)
+
+    def ranks(self) -> tuple[int, ...]:
+        tp, dp = self.tp, self.dp
+        return tuple((s * dp + d) * tp + t for s in self.stages for d in self.dps for t in self.tps)
+
+
+Entry = tuple[int, Box, Holders]
+"""One box of a partition: its ordinal, the box and its holders."""
+
+
+Cell = tuple[int, int]
+"""A tp index and a ZeRO shard (0 and 0 where the tensor is not split or not sharded): the
+boxes of one cell have the same holders."""
+
+
+class Geometry:
+    """The partition of the tensors placed as `placed` under `layout`."""
+
+    def __init__(self, layout: Layout, placed: Placed) -> None:
+        self.layout, self.placed = layout, placed
+        owner = placed.ep_owner
+        self.group = range(layout.dp) if owner is None else range(owner, layout.dp, layout.ep)
+        self.split = placed.split_dim is not None
+        self.shards = len(self.group) if placed.sharded else 1
+        self.width = len(placed.parts or (0,)) if self.split else 1  # local boxes per tp index
+        self._boxes: dict[Cell, list[tuple[int, Box]]] = {}
+        self._holders: dict[Cell, Holders] = {}
+        self._tp_boxes: dict[int, list[Box]] = {}
+
+    def cells(self) -> list[Cell]:
+        """Every cell, in ordinal order."""
+        tps = range(self.layout.tp) if self.split else range(1)
+        return [(t, z) for t in tps for z in range(self.shards)]
+
+    def holders(self, cell: Cell) -> Holders:
+        if cell not in self._holders:
+            t, z = cell
+            layout = self.layout
+            dps = self.group[z : z + 1] if self.placed.sharded else self.group
+            tps = range(t, t + 1) if self.split else range(layout.tp)
+            self._holders[cell] = Holders(self.placed.stages, dps, tps, layout.dp, layout.tp)
+        return self._holders[cell]
+
+    def _local(self, t: int) -> list[Box]:
+        """The boxes of tp index `t` before ZeRO shards them (any tp index, when not split)."""
+        if t not in self._tp_boxes:
+            self._tp_boxes[t] = tp_local_boxes(
+                self.placed, self.layout.tp, t if self.split else None
+            )
+        return self._tp_boxes[t]
+
+    def cell_ranks(self) -> dict[Cell, tuple[int, ...]]:
+        """Every cell's holders, in rank order (the whole partition's holders at once)."""
+        layout, stages = self.layout, self.placed.stages
+        dp, tp = layout.dp, layout.tp
+        tps = range(tp) if self.split else range(1)
+        if self.placed.sharded:
+            every = range(1) if self.split else range(tp)
+            return {
+                (t, z): tuple((s * dp + d) * tp + t + u for s in stages for u in every)
+                for t in tps
+                for z, d in enumerate(self.group)
+            }
+        return {(t, 0): self.holders((t, 0)).ranks() for t in tps}
+
+    def boxes(self, cell: Cell) -> list[tuple[int, Box]]:
+        """(ordinal, box) of the non-empty boxes of `cell`."""
+        if cell not in self._boxes:
+            t, z = cell
+            local = self._local(t)
+            if self.placed.sharded:
+                pairs = shard_boxes(self.placed, local, self.shards, z)
+            else:
+                pairs = list(enumerate(local))
+            base = (t * self.shards + z) * self.width
+            self._boxes[cell] = [(base + b, box) for b, box in pairs if not is_empty(box)]
+        return self._boxes[cell]
+
+    def entries(self) -> list[Entry]:
+        """Every non-empty box with its holders, in ordinal order (the whole partition)."""
+        return [
+            (j, box, self.holders(cell)) for cell in self.cells() for j, box in self.boxes(cell)
+        ]
+
+    def cell_of(self, rank: int) -> Cell | None:
+        """The cell whose boxes `rank` holds; None when it holds none."""
+        pp_i, dp_i, tp_i = self.layout.coords(rank)
+        if pp_i not in self.placed.stages or dp_i not in self.group:
+            return None
+        return (tp_i if self.split else 0, self.group.index(dp_i) if self.placed.sharded else 0)
+
+    def of_rank(self, rank: int) -> list[Entry]:
+        """The boxes `rank` holds, in ordinal order."""
+        cell = self.cell_of(rank)
+        if cell is None:
+            return []
+        holders = self.holders(cell)
+        return [(j, box, holders) for j, box in self.boxes(cell)]
+
+    def overlapping(self, query: Box) -> list[Entry]:
+        """The boxes that overlap `query` (a box of the same tensor), in ordinal order."""
+        return [
+            (j, box, self.holders(cell))
+            for cell in self.cells_overlapping(query)
+            for j, box in self.boxes(cell)
+            if intersect(box, query) is not None
+        ]
+
+    def cells_overlapping(self, query: Box) -> list[Cell]:
+        """The cells that may hold part of `query`, in ordinal order."""
+        return [
+            (t, z) for t in self._tp_candidates(query) for z in self._shard_candidates(query, t)
+        ]
+
+    @cached_property
+    def _parts(self) -> list[tuple[int, int]]:
+        """(offset, size) of each fused part along the split dimension."""
+        placed = self.placed
+        assert placed.split_dim is not None
+        out, offset = [], 0
+        for size in placed.parts or (placed.shape[placed.split_dim],):
+            out.append((offset, size))
+            offset += size
+        return out
+
+    def _tp_candidates(self, query: Box) -> list[int]:
+        if not self.split:
+            return [0]
+        assert self.placed.split_dim is not None
+        tp = self.layout.tp
+        lo, hi = query[self.placed.split_dim]
+        found: set[int] = set()
+        for offset, size in self._parts:
+            a, b = max(lo, offset) - offset, min(hi, offset + size) - offset
+            if a < b:
+                step = -(-size // tp)
+                found.update(range(a // step, min((b - 1) // step, tp - 1) + 1))
+        return sorted(found)
+
+    def _shard_candidates(self, query: Box, t: int) -> range | list[int]:
+        if not self.placed.sharded:
+            return range(1)
+        lo, hi = query[0]
+        if self.placed.split_dim != 0:
+            rows = [(0, self.placed.shape[0])]
+        else:
+            rows = [box[0] for box in self._local(t)]
+        # Rows of the local concatenation that the query covers, then the shards holding them.
+        step = -(-sum(stop - start for start, stop in rows) // self.shards)
+        found: set[int] = set()
+        offset = 0
+        for start, stop in rows:
+            a, b = max(lo, start), min(hi, stop)
+            if a < b and step:
+                first, last = offset + a - start, offset + b - start - 1
+                found.update(range(first // step, min(last // step, self.shards - 1) + 1))
+            offset += stop - start
+        return sorted(found)
 
 
 def partition(layout: Layout, placed: Placed) -> list[tuple[Box, tuple[int, ...]]]:
-    """The tensor's non-empty boxes, each with the sorted ranks that hold it.
-
-    The boxes are disjoint and cover the tensor: replicas of a box are one entry with many holders.
-    Holders come out sorted without sorting: a rank grows with (stage, dp index, tp index), stages
-    are sorted, and the loops run in that order.
-    """
-    group = _dp_group(layout, placed)
-    tp_keys: list[int | None] = list(range(layout.tp)) if placed.split_dim is not None else [None]
-    out: list[tuple[Box, tuple[int, ...]]] = []
-    for tp_key in tp_keys:
-        tp_ranks = range(layout.tp) if tp_key is None else (tp_key,)
-        local = tp_local_boxes(placed, layout.tp, tp_key)
-        if placed.sharded:
-            for z, dp_i in enumerate(group):
-                holders = tuple(
-                    layout.rank(s, dp_i, t) for s, t in product(placed.stages, tp_ranks)
-                )
-                out += [(box, holders) for box in zero_shard_boxes(placed, local, len(group), z)]
-        else:
-            holders = tuple(
-                layout.rank(s, d, t) for s, d, t in product(placed.stages, group, tp_ranks)
-            )
-            out += [(box, holders) for box in local]
-    return [(box, holders) for box, holders in out if not is_empty(box)]
+    """The tensor's non-empty boxes, each with the sorted ranks that hold it: disjoint boxes that
+    cover the tensor; replicas of a box are one entry with many holders."""
+    return [(box, holders.ranks()) for _, box, holders in Geometry(layout, placed).entries()]
 
 
 def rank_boxes(layout: Layout, placed: Placed, rank: int) -> list[Box]:
     """The non-empty boxes that `rank` holds, computed from its coordinates alone."""
-    pp_i, dp_i, tp_i = layout.coords(rank)
-    if pp_i not in placed.stages:
-        return []
-    if placed.ep_owner is not None and dp_i % layout.ep != placed.ep_owner:
-        return []
-    local = tp_local_boxes(placed, layout.tp, tp_i)
-    if placed.sharded:
-        group_size = layout.dp if placed.ep_owner is None else layout.dp // layout.ep
-        index = dp_i if placed.ep_owner is None else dp_i // layout.ep
-        local = zero_shard_boxes(placed, local, group_size, index)
-    return [box for box in local if not is_empty(box)]
+    return [box for _, box, _ in Geometry(layout, placed).of_rank(rank)]
 
 
 def region(spec: ModelSpec, layout: Layout, rank: int, ref: TensorRef) -> list[Box]:

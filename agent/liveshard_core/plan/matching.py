@@ -2,20 +2,31 @@
 
 A class is every logical tensor with the same placement under the old and the new layout (say the
 fp32 master of every `gate` in pipeline stage 3 that moves to stage 1); its pieces are computed
-once and shared by all its tensors. The old layout's boxes partition the tensor; each box the new
-layout needs is intersected with the old boxes it overlaps (found through a per-dimension grid,
-so the cost follows the number of overlaps, not boxes squared). A destination that held an old box
-copies locally; the others get the piece from one holder, spread round-robin and deterministically.
+once and shared by all its tensors.
+
+The rule. For every old box `j` and every new box `k` that overlaps it, the `i`-th holder of `k`
+(in new rank order) gets `j & k`: by a local copy when it holds `j` itself, else from live holder
+number `(ord(j) + ord(k) + i) mod H` of `j` (in old rank order; `H` live holders; `ord` is a box's
+ordinal, `region.Geometry`). The sources rotate over the holders, so no holder sends to more than
+`ceil(holders of k / H)` of `k`'s holders, and the ordinals spread the first turn over boxes.
+
+Because the rule names a piece's source from `(j, k, i)` alone, one member finds its own pieces
+without the others' (`member_pieces`): what it receives from the boxes it needs, and what it sends
+by stepping through the holders of each overlapping new box `H` at a time. Both walk the
+partitions by arithmetic (`region.Geometry`), so a member's part costs what it holds, not the
+number of ranks. Pieces are listed in the order of `(ord(j), ord(k), i)`, wherever computed.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right
-from collections import defaultdict
-from itertools import pairwise, product
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-from ..vps.box import Box, Interval, intersect
+from ..layout.region import Placed
+from ..vps.box import Box, intersect
+
+if TYPE_CHECKING:
+    from .union import Union
+
 
 Slot = int
 """A member's position in a plan's union: the old members in old rank order, then the members
@@ -31,9 +42,6 @@ class Piece(NamedTuple):
     box: Box
 
 
-Partition = list[tuple[Box, tuple[int, ...]]]
-
-
 class LostPiece(Exception):
     """A needed piece whose every holder is lost."""
 
@@ -42,89 +50,68 @@ class LostPiece(Exception):
         self.box = box
 
 
-class BoxGrid:
-    """Finds which boxes of a partition overlap a query box, one dimension at a time."""
-
-    def __init__(self, boxes: list[Box]) -> None:
-        ndim = len(boxes[0])
-        self.intervals: list[list[Interval]] = []
-        self.starts: list[list[int]] = []
-        index: list[dict[Interval, int]] = []
-        for dim in range(ndim):
-            intervals = sorted({box[dim] for box in boxes})
-            for (_, stop), (start, _) in pairwise(intervals):
-                if start < stop:
-                    raise ValueError(f"boxes overlap partially on dim {dim}: not a partition")
-            self.intervals.append(intervals)
-            self.starts.append([start for start, _ in intervals])
-            index.append({iv: i for i, iv in enumerate(intervals)})
-        self.cells = {
-            tuple(index[d][box[d]] for d in range(ndim)): j for j, box in enumerate(boxes)
-        }
-
-    def overlapping(self, box: Box) -> list[int]:
-        ranges = []
-        for dim, (lo, hi) in enumerate(box):
-            starts, intervals = self.starts[dim], self.intervals[dim]
-            i = max(bisect_right(starts, lo) - 1, 0)
-            hits = []
-            while i < len(intervals) and intervals[i][0] < hi:
-                if intervals[i][1] > lo:
-                    hits.append(i)
-                i += 1
-            ranges.append(hits)
-        cells = self.cells
-        return [cells[c] for c in product(*ranges) if c in cells]
+def pattern_pieces(union: Union, old: Placed, new: Placed) -> list[Piece]:
+    """Every piece of the class placed `old` before and `new` after the change."""
+    old_geometry, new_geometry = union.old_geometry(old), union.new_geometry(new)
+    held_by, needed_by = union.cell_slots(old_geometry, new_geometry)
+    out: list[tuple[Slot, Slot, Box]] = []
+    for old_cell, new_cell, parts in union.pairs(old, new):
+        sources, needers = held_by[old_cell], needed_by[new_cell]
+        n = len(sources)
+        if not n:
+            raise LostPiece(parts[0][2])
+        held = sources if n < 4 else set(sources)
+        for j, k, part in parts:
+            c = j + k
+            out += [
+                (d, d, part) if d in held else (sources[(c + i) % n], d, part)
+                for i, d in enumerate(needers)
+            ]
+    return list(map(Piece._make, out))
 
 
-class Matching:
-    """The pieces of one tensor class between an old and a new partition (holders as slots).
-
-    Overlaps are looked up on demand, so one member's part costs only the boxes it touches.
-    """
-
-    def __init__(self, old: Partition, new: Partition) -> None:
-        self.old = old
-        self.new = new
-        self._old_grid = BoxGrid([box for box, _ in old])
-        self._new_grid = BoxGrid([box for box, _ in new])
-
-    def new_of_old(self, j: int) -> list[int]:
-        return self._new_grid.overlapping(self.old[j][0])
-
-    def old_of_new(self, k: int) -> list[int]:
-        return self._old_grid.overlapping(self.new[k][0])
-
-    def from_old_box(self, j: int) -> list[Piece]:
-        """Every piece taken out of old box `j`: local copies and network pieces."""
-        box, holders = self.old[j]
-        held = set(holders)
-        out: list[Piece] = []
-        pending: dict[Slot, list[Box]] = defaultdict(list)
-        for k in self.new_of_old(j):
-            new_box, needers = self.new[k]
-            overlap = intersect(box, new_box)
-            assert overlap is not None
-            for slot in needers:
-                if slot in held:
-                    out.append(Piece(slot, slot, overlap))
-                else:
-                    pending[slot].append(overlap)
-        if pending and not holders:
-            raise LostPiece(box)
-        # Round-robin over holders, offset by the box's ordinal so no holder is always first.
-        for i, slot in enumerate(sorted(pending)):
-            src = holders[(j + i) % len(holders)]
-            out += [Piece(src, slot, overlap) for overlap in pending[slot]]
-        return out
-
-    def pieces(self) -> tuple[Piece, ...]:
-        return tuple(p for j in range(len(self.old)) for p in self.from_old_box(j))
-
-    def pieces_of(self, slot: Slot, old_boxes: list[int], new_boxes: list[int]) -> list[Piece]:
-        """The pieces `slot` sends or receives, given the old boxes it holds and the new boxes it
-        needs (indices into the partitions), without computing other old boxes' pieces."""
-        sources = set(old_boxes)
-        for k in new_boxes:
-            sources.update(self.old_of_new(k))
-        return [p for j in sorted(sources) for p in self.from_old_box(j) if slot in (p.src, p.dst)]
+def member_pieces(
+    union: Union, old: Placed, new: Placed, old_rank: int | None, new_rank: int | None
+) -> list[Piece]:
+    """The pieces the member at `old_rank` / `new_rank` (None: not in that layout; a lost member
+    takes no part) copies, receives or sends, in the order `pattern_pieces` lists them."""
+    old_geometry, new_geometry = union.old_geometry(old), union.new_geometry(new)
+    keyed: list[tuple[tuple[int, int, int], Piece]] = []
+    if new_rank is not None:
+        me = union.new_slot(new_rank)
+        for k, new_box, needers in new_geometry.of_rank(new_rank):
+            i = needers.index(new_rank)
+            assert i is not None
+            for j, box, holders in old_geometry.overlapping(new_box):
+                part = intersect(box, new_box)
+                assert part is not None
+                if old_rank is not None and holders.index(old_rank) is not None:
+                    keyed.append(((j, k, i), Piece(me, me, part)))
+                    continue
+                sources = union.sources(holders)
+                if not len(sources):
+                    raise LostPiece(box)
+                keyed.append(((j, k, i), Piece(sources.slot((j + k + i) % len(sources)), me, part)))
+    if old_rank is not None:
+        me_old = union.old_slot(old_rank)
+        assert me_old is not None
+        for j, box, holders in old_geometry.of_rank(old_rank):
+            sources = union.sources(holders)
+            h, n = sources.position(old_rank), len(sources)
+            for k, new_box, needers in new_geometry.overlapping(box):
+                part = intersect(box, new_box)
+                assert part is not None
+                for i in range((h - j - k) % n, len(needers), n):
+                    dst = needers.rank(i)
+                    dst_old = union.old_rank_of_new(dst)
+                    if dst_old is not None and holders.index(dst_old) is not None:
+                        continue  # a holder of j (this member too) copies it itself
+                    keyed.append(((j, k, i), Piece(me_old, union.new_slot(dst), part)))
+    keyed.sort(
+        key=lambda item: (
+            item[0][0] // old_geometry.width,
+            item[0][1] // new_geometry.width,
+            *item[0],
+        )
+    )
+    return [piece for _, piece in keyed]

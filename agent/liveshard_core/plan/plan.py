@@ -7,13 +7,15 @@ pieces are computed once, so planning cost follows the number of distinct pieces
 ranks x tensors.
 
 Invariants (property-tested): every byte of every new region is covered exactly once; network
-bytes equal the lower bound (`bounds`); the digest is identical wherever the plan is computed.
+bytes equal the lower bound (`bounds`); the plan is identical wherever it is computed.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -23,10 +25,10 @@ from ..layout.region import Placed
 from ..vps.box import volume
 from ..vps.spec import ModelSpec, TensorRef
 from .classes import TensorClass, tensor_classes
-from .matching import LostPiece, Piece, Slot
-from .union import Partitions, check_change, union_members
+from .matching import LostPiece, Piece, Slot, pattern_pieces
+from .union import Union
 
-PLANNER_VERSION = 2
+PLANNER_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -160,21 +162,19 @@ class Plan:
 
     @cached_property
     def digest(self) -> str:
-        """SHA-256 over the plan's full content; members compare it before moving any byte."""
-        h = hashlib.sha256()
-        h.update(
-            repr(
-                (PLANNER_VERSION, self.spec.digest, self.old.describe(), self.new.describe(),
-                 self.members, self.old.members, self.new.members, sorted(self.lost))
-            ).encode()
-        )  # fmt: skip
-        encoded = [repr(p.pieces).encode() for p in self.patterns]
-        for g in self.groups:
-            # Tensors by index and kind: the spec digest above fixes what the indices name.
-            kinds = [k.value for k in g.tensors.kinds]
-            h.update(repr((g.itemsize, g.tensors.params, kinds)).encode())
-            h.update(encoded[g.pattern])
-        return h.hexdigest()
+        return change_digest(self.spec, self.old, self.new, self.lost)
+
+
+def change_digest(spec: ModelSpec, old: Layout, new: Layout, lost: frozenset[str]) -> str:
+    """SHA-256 over everything a plan is a function of: the planner's version, the model, both
+    layouts with their members, and the lost members. Members compare it before moving any byte:
+    equal digests mean equal plans wherever computed (planning is deterministic, tested across
+    processes), also by members that compute only their own part (`view.member_plan`)."""
+    h = hashlib.sha256()
+    h.update(repr((PLANNER_VERSION, spec.digest, old.describe(), new.describe())).encode())
+    for members in (old.members, new.members, sorted(lost)):
+        h.update("\0".join(members).encode() + b"\1")
+    return h.hexdigest()
 
 
 def build_plan(
@@ -187,9 +187,7 @@ def build_plan(
     """
     old.check(spec)
     new.check(spec)
-    check_change(old, new, lost)
-    members = union_members(old, new, lost)
-    parts = Partitions(old, new, members)
+    union = Union(old, new, lost)
     pattern_index: dict[tuple[Placed, Placed], int] = {}
     patterns: list[Pattern] = []
     groups = []
@@ -197,16 +195,17 @@ def build_plan(
         key = (cls.old, cls.new)
         if key not in pattern_index:
             pattern_index[key] = len(patterns)
-            patterns.append(Pattern(_pieces(spec, parts, cls, lost)))
+            with lost_tensor(spec, cls, lost):
+                patterns.append(Pattern(tuple(pattern_pieces(union, cls.old, cls.new))))
         groups.append(PlanGroup(pattern_index[key], cls))
-    return Plan(spec, old, new, members, tuple(patterns), tuple(groups), lost)
+    return Plan(spec, old, new, union.members, tuple(patterns), tuple(groups), lost)
 
 
-def _pieces(
-    spec: ModelSpec, parts: Partitions, cls: TensorClass, lost: frozenset[str]
-) -> tuple[Piece, ...]:
+@contextmanager
+def lost_tensor(spec: ModelSpec, cls: TensorClass, lost: frozenset[str]) -> Iterator[None]:
+    """Turn a piece no live member holds into an error naming the tensor."""
     try:
-        return parts.matching(cls.old, cls.new).pieces()
+        yield
     except LostPiece as err:
         name = spec.tensor_name(cls.tensor(0))
         raise InvalidInput(

@@ -1,4 +1,4 @@
-"""The union of a change's old and new members, and layout partitions numbered by slot.
+"""The union of a change's old and new members, numbered by slot.
 
 A plan names members by *slot*: the old members in old rank order, then the members only the new
 layout has, in new rank order. Members that died with their state (`lost`) take no slot.
@@ -6,19 +6,23 @@ layout has, in new rank order. Members that died with their state (`lost`) take 
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from dataclasses import replace
+from functools import cached_property
+from itertools import filterfalse
+
 from ..errors import InvalidInput
 from ..layout.layout import Layout
-from ..layout.region import Placed, partition
-from .matching import Matching, Partition
+from ..layout.region import Cell, Geometry, Holders, Placed
+from ..vps.box import Box, intersect
+from .matching import Slot
 
 
 def union_members(old: Layout, new: Layout, lost: frozenset[str] = frozenset()) -> tuple[str, ...]:
     """Old members in old rank order, then the members only the new layout has; members that
     are `lost` (died with their state) take no part."""
-    present = set(old.members)
-    return tuple(m for m in old.members if m not in lost) + tuple(
-        m for m in new.members if m not in present
-    )
+    kept = tuple(filterfalse(lost.__contains__, old.members)) if lost else old.members
+    return kept + tuple(filterfalse(old.ranks.__contains__, new.members))
 
 
 def check_change(old: Layout, new: Layout, lost: frozenset[str]) -> None:
@@ -31,44 +35,130 @@ def check_change(old: Layout, new: Layout, lost: frozenset[str]) -> None:
         raise InvalidInput(f"lost members {back} cannot be members of the new layout")
 
 
-class Partitions:
-    """Partitions of the old and new layout with holders as slots, computed once per placement,
-    and the matchings between them."""
+Pair = tuple[Cell, Cell, list[tuple[int, int, Box]]]
+"""An old cell, a new cell, and the overlaps of their boxes: (old ordinal, new ordinal, box)."""
 
-    def __init__(self, old: Layout, new: Layout, union: tuple[str, ...]) -> None:
-        self.old_layout, self.new_layout = old, new
-        slot = {m: i for i, m in enumerate(union)}
-        self.new_to_union = [slot[m] for m in new.members]
-        # Old ranks are slots unless members were lost; then lost holders drop out.
-        self.old_to_union = [slot.get(m) for m in old.members]
-        self.identity = old.members == union[: old.world_size]
-        self._old: dict[Placed, Partition] = {}
-        self._new: dict[Placed, Partition] = {}
-        self._matchings: dict[tuple[Placed, Placed], Matching] = {}
 
-    def old(self, placed: Placed) -> Partition:
+CellSlots = dict[Cell, list[Slot]]
+
+
+class Sources:
+    """The live holders of one old box (its holders less the lost ones), as slots."""
+
+    def __init__(self, union: Union, holders: Holders) -> None:
+        self.union, self.holders = union, holders
+        # Positions among the holders of the lost ones: few, so one pass over them.
+        self.lost = sorted(
+            i for r in union.lost_ranks if (i := holders.index(r)) is not None
+        )  # fmt: skip
+
+    def __len__(self) -> int:
+        return len(self.holders) - len(self.lost)
+
+    def slot(self, x: int) -> Slot:
+        """The x-th live holder's slot."""
+        for i in self.lost:
+            if i > x:
+                break
+            x += 1
+        slot = self.union.old_slot(self.holders.rank(x))
+        assert slot is not None
+        return slot
+
+    def position(self, rank: int) -> int:
+        """The position of live holder `rank` among the live holders."""
+        i = self.holders.index(rank)
+        assert i is not None
+        return i - bisect_left(self.lost, i)
+
+
+class Union:
+    """The members of a change, by slot, and the geometry of its placements (computed once
+    each). Building it costs one pass over the member lists; everything else it answers costs
+    what the answer holds."""
+
+    def __init__(self, old: Layout, new: Layout, lost: frozenset[str] = frozenset()) -> None:
+        check_change(old, new, lost)
+        self.old, self.new, self.lost = old, new, lost
+        self.members = union_members(old, new, lost)
+        self.slots = dict(zip(self.members, range(len(self.members)), strict=True))
+        self.lost_ranks = sorted(old.ranks[m] for m in lost)
+        self._old: dict[Placed, Geometry] = {}
+        self._new: dict[Placed, Geometry] = {}
+        self._sources: dict[Holders, Sources] = {}
+        self._pairs: dict[tuple[Placed, Placed], list[Pair]] = {}
+        self._cell_slots: dict[Geometry, CellSlots] = {}
+
+    def slot_of(self, member: str) -> Slot:
+        try:
+            return self.slots[member]
+        except KeyError:
+            raise InvalidInput(f"member {member!r} is a live member of neither layout") from None
+
+    def old_slot(self, rank: int) -> Slot | None:
+        """The slot of the member at old rank `rank`; None when it is lost."""
+        return self.slots.get(self.old.members[rank])
+
+    def new_slot(self, rank: int) -> Slot:
+        return self.slots[self.new.members[rank]]
+
+    def old_rank_of_new(self, rank: int) -> int | None:
+        """The old rank of the member at new rank `rank`; None when it is new."""
+        return self.old.ranks.get(self.new.members[rank])
+
+    def old_geometry(self, placed: Placed) -> Geometry:
         if placed not in self._old:
-            boxes = partition(self.old_layout, placed)
-            if not self.identity:
-                to_union = self.old_to_union
-                boxes = [
-                    (box, tuple(u for u in (to_union[r] for r in ranks) if u is not None))
-                    for box, ranks in boxes
-                ]
-            self._old[placed] = boxes
+            self._old[placed] = Geometry(self.old, placed)
         return self._old[placed]
 
-    def new(self, placed: Placed) -> Partition:
+    def new_geometry(self, placed: Placed) -> Geometry:
         if placed not in self._new:
-            to_union = self.new_to_union
-            self._new[placed] = [
-                (box, tuple(to_union[r] for r in ranks))
-                for box, ranks in partition(self.new_layout, placed)
-            ]
+            self._new[placed] = Geometry(self.new, placed)
         return self._new[placed]
 
-    def matching(self, old: Placed, new: Placed) -> Matching:
-        key = (old, new)
-        if key not in self._matchings:
-            self._matchings[key] = Matching(self.old(old), self.new(new))
-        return self._matchings[key]
+    def sources(self, holders: Holders) -> Sources:
+        if holders not in self._sources:
+            self._sources[holders] = Sources(self, holders)
+        return self._sources[holders]
+
+    def cell_slots(self, old: Geometry, new: Geometry) -> tuple[CellSlots, CellSlots]:
+        """For every cell of `old`, its live holders' slots; for every cell of `new`, its
+        holders' slots (computed once per geometry)."""
+        if old not in self._cell_slots:
+            old_slot = self.old_slot
+            self._cell_slots[old] = {
+                # Without lost members, an old rank is its slot.
+                cell: [s for r in ranks if (s := old_slot(r)) is not None] if self.lost
+                else list(ranks)
+                for cell, ranks in old.cell_ranks().items()
+            }  # fmt: skip
+        if new not in self._cell_slots:
+            slot = self._new_slots.__getitem__
+            self._cell_slots[new] = {
+                cell: list(map(slot, ranks)) for cell, ranks in new.cell_ranks().items()
+            }
+        return self._cell_slots[old], self._cell_slots[new]
+
+    @cached_property
+    def _new_slots(self) -> list[Slot]:
+        return list(map(self.slots.__getitem__, self.new.members))
+
+    def pairs(self, old: Placed, new: Placed) -> list[Pair]:
+        """Every overlap of an old and a new box of a class, by cells, in the plan's order. The
+        boxes do not depend on the stages that hold them: classes that differ only in stages
+        share these."""
+        key = (replace(old, stages=()), replace(new, stages=()))
+        if key not in self._pairs:
+            old_geometry, new_geometry = self.old_geometry(old), self.new_geometry(new)
+            pairs: list[Pair] = []
+            for old_cell in old_geometry.cells():
+                found: dict[Cell, list[tuple[int, int, Box]]] = {}
+                for j, box in old_geometry.boxes(old_cell):
+                    for new_cell in new_geometry.cells_overlapping(box):
+                        for k, new_box in new_geometry.boxes(new_cell):
+                            part = intersect(box, new_box)
+                            if part is not None:
+                                found.setdefault(new_cell, []).append((j, k, part))
+                pairs += [(old_cell, cell, sorted(found[cell])) for cell in sorted(found)]
+            self._pairs[key] = pairs
+        return self._pairs[key]

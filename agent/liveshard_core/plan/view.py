@@ -1,20 +1,90 @@
-"""One member's part of a plan, computed from the classes it takes part in only.
+"""One member's part of a plan, computed from what the member holds and needs only.
 
-An agent needs only its own local copies, sends and receives; `plan_view` finds them by looking
-up the old boxes the member holds and the new boxes it needs, without the other members' pieces.
+An agent needs only its own local copies, sends and receives. `member_plan` finds them class by
+class (`matching.member_pieces`): the partitions are looked up by arithmetic, so the work follows
+the member's own pieces and the number of tensor classes, not the number of ranks. The patterns
+are numbered as in the whole plan (`plan.build_plan`), so a member's part and its loads line up
+with everyone else's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from ..errors import InvalidInput
 from ..layout.layout import Layout
-from ..layout.region import Placed, rank_boxes
+from ..layout.region import Placed
 from ..vps.spec import ModelSpec, TensorRef
-from .classes import tensor_classes
-from .matching import Piece, Slot
-from .union import Partitions, check_change, union_members
+from .classes import TensorClass, tensor_classes
+from .matching import Piece, Slot, member_pieces
+from .plan import lost_tensor
+from .schedule import Kind, member_kind
+from .union import Union
+
+
+@dataclass(frozen=True)
+class MemberPlan:
+    """A member's pieces of every pattern of a plan (its local copies, sends and receives)."""
+
+    spec: ModelSpec
+    old: Layout
+    new: Layout
+    member: str
+    slot: Slot
+    kind: Kind  # where it is in both layouts (`schedule.member_kind`)
+    members: int  # the size of the union
+    patterns: tuple[tuple[Piece, ...], ...]  # numbered as Plan.patterns
+    groups: tuple[tuple[int, TensorClass], ...]  # (pattern, class), as Plan.groups
+
+    @cached_property
+    def network(self) -> tuple[tuple[Piece, ...], ...]:
+        """The member's network pieces of each pattern."""
+        return tuple(tuple(p for p in ps if p.src != p.dst) for ps in self.patterns)
+
+    def expanded(self) -> tuple[list[tuple[TensorRef, Piece]], ...]:
+        """(local copies, sends, receives), each as (tensor, piece) in plan order."""
+        local: list[tuple[TensorRef, Piece]] = []
+        sends: list[tuple[TensorRef, Piece]] = []
+        recvs: list[tuple[TensorRef, Piece]] = []
+        for pattern, cls in self.groups:
+            for p in self.patterns[pattern]:
+                bucket = local if p.src == p.dst else sends if p.src == self.slot else recvs
+                bucket += [(ref, p) for ref in cls.tensors]
+        return local, sends, recvs
+
+
+def member_plan(
+    spec: ModelSpec,
+    old: Layout,
+    new: Layout,
+    member: str,
+    lost: frozenset[str] = frozenset(),
+    union: Union | None = None,
+) -> MemberPlan:
+    """`member`'s part of the plan from `old` to `new`. `union` (built once per change, one pass
+    over the member lists) may be shared by several calls."""
+    old.check(spec)
+    new.check(spec)
+    union = union or Union(old, new, lost)
+    slot = union.slot_of(member)
+    old_rank = old.ranks.get(member) if member not in lost else None
+    new_rank = new.ranks.get(member)
+    index: dict[tuple[Placed, Placed], int] = {}
+    patterns: list[tuple[Piece, ...]] = []
+    groups = []
+    for cls in tensor_classes(spec, old, new):
+        key = (cls.old, cls.new)
+        if key not in index:
+            index[key] = len(patterns)
+            with lost_tensor(spec, cls, lost):
+                pieces = member_pieces(union, cls.old, cls.new, old_rank, new_rank)
+            patterns.append(tuple(pieces))
+        groups.append((index[key], cls))
+    kind = member_kind(old, new, old_rank, new_rank)
+    return MemberPlan(
+        spec, old, new, member, slot, kind, len(union.members), tuple(patterns), tuple(groups)
+    )
 
 
 @dataclass(frozen=True)
@@ -31,44 +101,9 @@ class PlanView:
 def plan_view(
     spec: ModelSpec, old: Layout, new: Layout, member: str, lost: frozenset[str] = frozenset()
 ) -> PlanView:
-    """`member`'s part of the plan, computed from the classes it takes part in only."""
-    old.check(spec)
-    new.check(spec)
-    check_change(old, new, lost)
-    members = union_members(old, new, lost)
-    if member not in members:
-        raise InvalidInput(f"member {member!r} is a live member of neither layout")
-    slot = members.index(member)
-    old_rank = old.rank_of(member) if member in old.members else None
-    new_rank = new.rank_of(member) if member in new.members else None
-    parts = Partitions(old, new, members)
-    cache: dict[tuple[Placed, Placed], list[Piece]] = {}
-    local: list[tuple[TensorRef, Piece]] = []
-    sends: list[tuple[TensorRef, Piece]] = []
-    recvs: list[tuple[TensorRef, Piece]] = []
-    for cls in tensor_classes(spec, old, new):
-        key = (cls.old, cls.new)
-        if key not in cache:
-            cache[key] = _slot_pieces(parts, cls.old, cls.new, old_rank, new_rank, slot)
-        for p in cache[key]:
-            bucket = local if p.src == p.dst else sends if p.src == slot else recvs
-            bucket += [(ref, p) for ref in cls.tensors]
-    return PlanView(member, slot, tuple(local), tuple(sends), tuple(recvs))
-
-
-def _slot_pieces(
-    parts: Partitions,
-    placed_old: Placed,
-    placed_new: Placed,
-    old_rank: int | None,
-    new_rank: int | None,
-    slot: Slot,
-) -> list[Piece]:
-    held = [] if old_rank is None else rank_boxes(parts.old_layout, placed_old, old_rank)
-    needed = [] if new_rank is None else rank_boxes(parts.new_layout, placed_new, new_rank)
-    if not held and not needed:
-        return []
-    matching = parts.matching(placed_old, placed_new)
-    old_index = {box: j for j, (box, _) in enumerate(matching.old)}
-    new_index = {box: k for k, (box, _) in enumerate(matching.new)}
-    return matching.pieces_of(slot, [old_index[b] for b in held], [new_index[b] for b in needed])
+    """`member`'s part of the plan, expanded to (tensor, piece) lists."""
+    if member in lost:
+        raise InvalidInput(f"member {member!r} is lost and takes no part in the plan")
+    part = member_plan(spec, old, new, member, lost)
+    local, sends, recvs = part.expanded()
+    return PlanView(member, part.slot, tuple(local), tuple(sends), tuple(recvs))

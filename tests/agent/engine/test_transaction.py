@@ -69,7 +69,7 @@ def test_an_epoch_is_refused_the_second_time_before_anything_else() -> None:
     with pytest.raises(EpochReused, match="epoch 7 was already used by m0"):
         again.prepare()
     assert again.phase is Phase.FAILED
-    assert again.plan is None  # refused before planning
+    assert again.part is None  # refused before planning
     solo(store, 8).prepare()  # the next epoch is fine
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -141,6 +142,7 @@ def test_infeasible_layout_rejected() -> None:
 # --- (d) digests ------------------------------------------------------------------------------
 
 DIGEST_SCRIPT = """
+import hashlib
 import sys
 from liveshard_core.layout.layout import Layout
 from liveshard_core.plan.matching import Piece
@@ -150,7 +152,8 @@ spec = preset("tiny-moe")
 old = Layout.create(spec, [f"m{i}" for i in range(8)], dp=4, pp=2, ep=2, zero=1,
                     pp_layers=(1, 3))
 new = Layout.create(spec, ["m6", "m1", "n0", "m3", "n1", "m0"], dp=3, tp=2, zero=3)
-print(build_plan(spec, old, new).digest)
+plan = build_plan(spec, old, new)
+print(plan.digest, hashlib.sha256(repr(plan.items()).encode()).hexdigest())
 """
 
 
@@ -160,11 +163,12 @@ def digest_case() -> tuple[Layout, Layout]:
     return old, new
 
 
-def test_digest_is_the_same_in_other_processes() -> None:
+def test_plan_and_digest_are_the_same_in_other_processes() -> None:
     old, new = digest_case()
-    here = build_plan(MOE, old, new).digest
-    assert len(here) == 64
-    assert int(here, 16) >= 0  # hex
+    plan = build_plan(MOE, old, new)
+    assert len(plan.digest) == 64
+    assert int(plan.digest, 16) >= 0  # hex
+    here = f"{plan.digest} {hashlib.sha256(repr(plan.items()).encode()).hexdigest()}"
     for seed in ("0", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
         out = subprocess.run(
@@ -196,8 +200,8 @@ def test_digests_differ_when_layouts_differ() -> None:
 def test_replicas_share_the_sending() -> None:
     """dp=4 -> dp=8 on tiny, zero=0: 4 new members each need a full copy held by 4 replicas.
 
-    Round-robin: the pending members of old box j (sorted: union indices 4..7) get sources
-    holders[(j + i) % 4] for i = 0..3, so every box is sent once by each of the 4 old members.
+    Round-robin: the holder i of new box k (i = 4..7 for the new members) gets old box j from
+    holders[(ord(j) + ord(k) + i) % 4], so every box is sent once by each of the 4 old members.
     """
     old = Layout.create(TINY, names(4), dp=4)
     new = Layout.create(TINY, [*names(4), *names(4, "n")], dp=8)
@@ -206,11 +210,12 @@ def test_replicas_share_the_sending() -> None:
     network = sorted((t.dst, t.src) for t in embed if t.src != t.dst)
     # embed is one box (j = 0) with holders (0, 1, 2, 3): dst 4 <- 0, 5 <- 1, 6 <- 2, 7 <- 3.
     assert network == [(4, 0), (5, 1), (6, 2), (7, 3)]
-    # qkv has three boxes (parts q, k, v; j = 0, 1, 2): dst 4 gets them from 0, 1, 2.
+    # qkv has three boxes (parts q, k, v; ordinals 0, 1, 2 in both layouts): dst 4 (i = 4) gets
+    # them from holders (0 + 4) % 4, (2 + 4) % 4, (4 + 4) % 4.
     qkv = TINY.params.index(next(p for p in TINY.params if p.name == "layers.0.attn.qkv"))
     got = sorted((t.box[0], t.src) for ref, _, t in plan.items()
                  if ref.param == qkv and ref.kind is StateKind.MASTER and t.dst == 4)  # fmt: skip
-    assert got == [((0, 64), 0), ((64, 96), 1), ((96, 128), 2)]
+    assert got == [((0, 64), 0), ((64, 96), 2), ((96, 128), 0)]
     # Every old member sends one full copy of the state: tiny has 213568 elements of 2 + 3*4 bytes.
     sends, recvs = plan.slot_bytes
     assert sends == {m: 213568 * 14 for m in range(4)}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import pytest
 from hypothesis import given, settings
@@ -29,6 +29,19 @@ def row_bytes(box: Box, itemsize: int) -> int:
 
 def max_row_bytes(plan: Plan) -> int:
     return max((row_bytes(t.box, size) for _, size, t in plan.items() if t.src != t.dst), default=1)
+
+
+def min_budget(plan: Plan) -> int:
+    """The smallest budget a schedule accepts: one row of every piece one member sends or
+    receives in one class of tensors."""
+    out = 1
+    for group in plan.groups:
+        per: Counter[int] = Counter()
+        for t in plan.pattern_of(group).network:
+            per[t.src] += row_bytes(t.box, group.itemsize)
+            per[t.dst] += row_bytes(t.box, group.itemsize)
+        out = max(out, *per.values(), 1)
+    return out
 
 
 def check_schedule(plan: Plan, schedule: Schedule) -> None:
@@ -87,7 +100,10 @@ def check_schedule(plan: Plan, schedule: Schedule) -> None:
 @given(cases(max_world=6), st.data())
 def test_schedule_invariants(case: Case, data: st.DataObject) -> None:
     plan = build_plan(case.spec, case.old, case.new)
-    low = max_row_bytes(plan)
+    low = min_budget(plan)
+    if low > 1:
+        with pytest.raises(ValueError, match="below one row"):
+            build_schedule(plan, low - 1)
     _, recvs = plan.slot_bytes
     high = max([low, *recvs.values()]) * 2
     budget = data.draw(
