@@ -4,8 +4,13 @@ Prints one JSON object per measurement (and writes them all to --out when given)
 best of --repeat runs in this process, on one core (planning is single-threaded Python, numpy for
 the assignment).
 
-- `"kind": "plan"`: whole-plan, one-member-view and schedule times for real model shapes (the
-  new layout keeps the old members in order);
+- `"kind": "plan"`: whole-plan and schedule times for real model shapes (the new layout keeps
+  the old members in order);
+- `"kind": "member"`: what one agent computes in prepare: its own part of the plan and its rounds
+  (`member_seconds`, the slowest of a few members: a stayer of each old stage, a leaver, a
+  joiner), given the change's member index (`union_seconds`, one pass over the member lists,
+  once per change) and the plan's traffic (in a real switch, one all-reduce); checked equal to
+  the member's part of the whole plan's schedule where that is computed (`checked`);
 - `"kind": "assign"`: the best member assignment against the in-order one and the lower bound
   (network bytes), the assignment's time and the time of assignment plus plan;
 - `"kind": "policy"`: `choose_layout` for a member count, with and without a current layout.
@@ -26,8 +31,9 @@ from typing import Any
 from liveshard_core.assign.assign import Problem
 from liveshard_core.layout.layout import Layout, parse_degrees
 from liveshard_core.plan.plan import build_plan
-from liveshard_core.plan.schedule import build_schedule
-from liveshard_core.plan.view import plan_view
+from liveshard_core.plan.schedule import build_schedule, member_schedule, plan_traffic
+from liveshard_core.plan.union import Union
+from liveshard_core.plan.view import member_plan
 from liveshard_core.policy.layout import Constraints, choose_layout
 from liveshard_core.vps.presets import preset
 from liveshard_core.vps.spec import ModelSpec, TransformerConfig
@@ -59,9 +65,7 @@ def layouts(spec: ModelSpec, old_text: str, new_text: str) -> tuple[Layout, Layo
     return old_degrees.layout(spec, old_members), new_degrees.layout(spec, new_members)
 
 
-def measure(
-    spec: ModelSpec, old_text: str, new_text: str, repeat: int, view: bool
-) -> dict[str, Any]:
+def measure(spec: ModelSpec, old_text: str, new_text: str, repeat: int) -> dict[str, Any]:
     old, new = layouts(spec, old_text, new_text)
 
     def whole() -> Any:
@@ -70,7 +74,7 @@ def measure(
 
     (plan, digest), plan_seconds = best(whole, repeat)
     schedule, schedule_seconds = best(lambda: build_schedule(plan, BUDGET), repeat)
-    out: dict[str, Any] = {
+    return {
         "kind": "plan",
         "model": spec.config.name,
         "from": old_text,
@@ -88,31 +92,77 @@ def measure(
         "budget_bytes": BUDGET,
         "plan_hash": digest[:16],
     }
-    if view:
-        # The slowest of a few members spread over the old stages, plus one that only joins.
-        members = [old.members[r] for r in range(0, old.world_size, old.world_size // 4)]
-        members += [m for m in new.members if m not in set(old.members)][:1]
-        out["view_seconds"] = round(
-            max(best(lambda m=m: plan_view(spec, old, new, m), repeat)[1] for m in members), 4
-        )
-    return out
 
 
-def cases(quick: bool) -> list[tuple[ModelSpec, str, str, bool]]:
+def measure_member(
+    spec: ModelSpec, old_text: str, new_text: str, repeat: int, check: bool
+) -> dict[str, Any]:
+    """One member's part and rounds; the plan's traffic comes from the whole plan, computed once
+    outside the timing (an agent gets it from one all-reduce of every member's own)."""
+    old, new = layouts(spec, old_text, new_text)
+    plan = build_plan(spec, old, new)
+    traffic = plan_traffic(plan)
+    schedule = build_schedule(plan, BUDGET) if check else None
+    union, union_seconds = best(lambda: Union(old, new), repeat)
+    stride = old.world_size // old.pp
+    members = [old.members[r] for r in range(5, old.world_size, stride)]
+    members += [old.members[-1], new.members[-1]]
+    slowest, pieces = 0.0, 0
+    for member in members:
+
+        def own(member: str = member) -> Any:
+            part = member_plan(spec, old, new, member, union=union)
+            return part, member_schedule(part, traffic, BUDGET)
+
+        (part, rounds), seconds = best(own, repeat)
+        slowest = max(slowest, seconds)
+        pieces = max(pieces, sum(map(len, part.patterns)))
+        if schedule is not None:
+            assert rounds.slot_rounds(part.slot) == schedule.slot_rounds(part.slot), member
+    return {
+        "kind": "member",
+        "model": spec.config.name,
+        "from": old_text,
+        "to": new_text,
+        "ranks_from": old.world_size,
+        "ranks_to": new.world_size,
+        "members_timed": len(members),
+        "member_seconds": round(slowest, 4),
+        "union_seconds": round(union_seconds, 4),
+        "member_pieces": pieces,
+        "rounds": len(rounds.rounds),
+        "checked": schedule is not None,
+    }
+
+
+def cases(quick: bool) -> list[tuple[ModelSpec, str, str]]:
     llama, qwen = preset("llama-70b"), preset("qwen3-235b-a22b")
     out = [
-        (llama, "tp=8,pp=8,dp=16,zero=1", "tp=8,pp=4,dp=30,zero=1", True),
-        (qwen, "tp=4,pp=8,dp=32,ep=8,zero=1", "tp=4,pp=8,dp=24,ep=8,zero=1", True),
+        (llama, "tp=8,pp=8,dp=16,zero=1", "tp=8,pp=4,dp=30,zero=1"),
+        (qwen, "tp=4,pp=8,dp=32,ep=8,zero=1", "tp=4,pp=8,dp=24,ep=8,zero=1"),
     ]
     if quick:
         return out
     # Growth with ranks: 128 .. 8192 ranks, pp 8 -> 4 and two dp groups fewer.
     for dp in (2, 4, 8, 16, 32, 64, 128):
-        out.append((llama, f"tp=8,pp=8,dp={dp},zero=1", f"tp=8,pp=4,dp={2 * dp - 2},zero=1", False))
+        out.append((llama, f"tp=8,pp=8,dp={dp},zero=1", f"tp=8,pp=4,dp={2 * dp - 2},zero=1"))
     # Growth with model size: the same 1024 -> 960 rank change.
     for config in LLAMA_SIZES.values():
         spec = ModelSpec.from_config(config)
-        out.append((spec, "tp=8,pp=8,dp=16,zero=1", "tp=8,pp=4,dp=30,zero=1", False))
+        out.append((spec, "tp=8,pp=8,dp=16,zero=1", "tp=8,pp=4,dp=30,zero=1"))
+    return out
+
+
+def member_cases(quick: bool) -> list[tuple[ModelSpec, str, str, bool]]:
+    """(model, from, to, check against the whole schedule): 1024, 8192 and 65536 ranks."""
+    llama, qwen = preset("llama-70b"), preset("qwen3-235b-a22b")
+    out = [
+        (llama, "tp=8,pp=8,dp=16,zero=1", "tp=8,pp=4,dp=30,zero=1", True),
+        (qwen, "tp=4,pp=8,dp=32,ep=8,zero=1", "tp=4,pp=8,dp=24,ep=8,zero=1", True),
+    ]
+    if not quick:
+        out.append((llama, "tp=8,pp=8,dp=128,zero=1", "tp=8,pp=4,dp=254,zero=1", True))
+        out.append((llama, "tp=8,pp=8,dp=1024,zero=1", "tp=8,pp=4,dp=2046,zero=1", False))
     return out
 
 
@@ -234,8 +284,10 @@ def main() -> None:
         results.append(result)
         print(json.dumps(result), flush=True)
 
-    for spec, old, new, view in cases(args.quick):
-        emit(measure(spec, old, new, args.repeat, view))
+    for spec, old, new in cases(args.quick):
+        emit(measure(spec, old, new, args.repeat))
+    for spec, old, new, check in member_cases(args.quick):
+        emit(measure_member(spec, old, new, args.repeat, check))
     for spec, old, new, drop in assign_cases(args.quick):
         emit(measure_assign(spec, old, new, drop, args.repeat))
     for spec, members, current, constraints in policy_cases(args.quick):

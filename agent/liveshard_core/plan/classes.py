@@ -7,12 +7,14 @@ logical tensors fall into a few hundred classes; planning cost follows the class
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
+
 from ..layout.layout import Layout
-from ..layout.region import Placed, owner_of, place, stages_of
-from ..vps.spec import ModelSpec, StateKind, TensorRef
+from ..layout.region import Placed, place
+from ..vps.spec import ModelSpec, Placement, StateKind, TensorRef
 
 # Kinds that ZeRO shards alike and store in one dtype: the parameter, and its fp32 state.
 _KIND_SETS = ((StateKind.PARAM,), (StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ))
@@ -44,21 +46,23 @@ class TensorClass:
 def tensor_classes(spec: ModelSpec, old: Layout, new: Layout) -> list[TensorClass]:
     """Every logical tensor, grouped into classes, in the order of each class's first tensor.
 
-    Placement is computed once per distinct (param signature, stage, expert owner), not per tensor:
-    this loop runs over every parameter of a 235B model.
+    Parameters are grouped by (shape, split, parts, stages and expert owner under both layouts)
+    in a few array operations, since this runs over every parameter of a 235B model; placement
+    is then computed once per group.
     """
-    by_key: dict[tuple[object, ...], list[int]] = defaultdict(list)
-    for i, p in enumerate(spec.params):
-        where = (
-            stages_of(old, p),
-            owner_of(spec, old, p),
-            stages_of(new, p),
-            owner_of(spec, new, p),
-        )
-        by_key[(p.shape, p.split_dim, p.parts, *where)].append(i)
+    shapes, _, _, _ = spec.signatures
+    where = np.asarray(shapes, dtype=np.int64)
+    for layout in (old, new):
+        stages, owners = _where(spec, layout)
+        # Mixed radix: stage numbers lie in [0, pp], owners in [-1, ep).
+        where = (where * (layout.pp + 1) + stages) * (layout.ep + 1) + owners + 1
+    _, first, inverse = np.unique(where, return_index=True, return_inverse=True)
+    members = np.argsort(inverse, kind="stable")
+    groups = np.split(members, np.cumsum(np.bincount(inverse))[:-1])
     kind_sets = [ks for ks in (tuple(k for k in s if k in spec.kinds) for s in _KIND_SETS) if ks]
     classes: dict[tuple[Placed, Placed, int, tuple[StateKind, ...]], list[int]] = {}
-    for params in by_key.values():
+    for g in np.argsort(first, kind="stable"):
+        params = groups[g].tolist()
         param = spec.params[params[0]]
         for kinds in kind_sets:
             key = (
@@ -72,3 +76,23 @@ def tensor_classes(spec: ModelSpec, old: Layout, new: Layout) -> list[TensorClas
         TensorClass(o, n, size, tuple(sorted(ps)), ks) for (o, n, size, ks), ps in classes.items()
     ]
     return sorted(out, key=lambda c: (c.params[0], c.kinds[0] is not StateKind.PARAM))
+
+
+def _where(spec: ModelSpec, layout: Layout) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """Per parameter under `layout`: a number for the stages that hold it (equal numbers, equal
+    stages: `region.stages_of`), and its expert owner (-1: not an expert; `region.owner_of`)."""
+    _, placements, layers, experts = spec.signatures
+    stage_of_layer = np.asarray(layout.stage_of_layer, dtype=np.int64)
+    layer = np.asarray(layers, dtype=np.int64)
+    fixed = {
+        Placement.FIRST: 0,
+        Placement.LAST: layout.pp - 1,
+        Placement.FIRST_AND_LAST: layout.pp if layout.pp > 1 else 0,  # (0, pp - 1)
+    }
+    by_placement = np.asarray([fixed.get(p, -1) for p in Placement], dtype=np.int64)
+    constant = by_placement[np.asarray(placements, dtype=np.int64)]
+    stages = np.where(layer >= 0, stage_of_layer[np.maximum(layer, 0)], constant)
+    expert = np.asarray(experts, dtype=np.int64)
+    per_owner = max(spec.config.experts // layout.ep, 1)
+    owners = np.where(expert >= 0, expert // per_owner, -1)
+    return stages, owners

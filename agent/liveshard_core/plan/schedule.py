@@ -239,49 +239,53 @@ class MemberSchedule(_Rounded):
         return local
 
 
-Kind = tuple[int, int]
-"""Where a member is, old and new: `stage * ep + ep rank + 1` under each layout, 0 where it is
-not a live member of that layout. Members of one kind hold and need the same classes."""
+Position = tuple[int, int]
+"""Where a member is: its seat under the old layout and under the new one. A seat is
+`stage * ep + ep rank + 1`, or 0 where the member is not a live member of that layout. Members
+in one position hold and need the same classes."""
 
 
-def _position(layout: Layout, rank: int | None) -> int:
+def _seat(layout: Layout, rank: int | None) -> int:
     if rank is None:
         return 0
     pp_i, dp_i, _ = layout.coords(rank)
     return pp_i * layout.ep + dp_i % layout.ep + 1
 
 
-def member_kind(old: Layout, new: Layout, old_rank: int | None, new_rank: int | None) -> Kind:
-    return _position(old, old_rank), _position(new, new_rank)
+def member_position(
+    old: Layout, new: Layout, old_rank: int | None, new_rank: int | None
+) -> Position:
+    return _seat(old, old_rank), _seat(new, new_rank)
 
 
-def _touches(layout: Layout, placed: Placed, position: int) -> bool:
-    """Whether members at `position` of `layout` hold (or need) the tensors placed `placed`."""
-    if not position:
+def _touches(layout: Layout, placed: Placed, seat: int) -> bool:
+    """Whether members in `seat` of `layout` hold (or need) the tensors placed `placed`."""
+    if not seat:
         return False
-    stage, owner = divmod(position - 1, layout.ep)
+    stage, owner = divmod(seat - 1, layout.ep)
     return stage in placed.stages and placed.ep_owner in (None, owner)
 
 
 @dataclass(frozen=True)
 class Traffic:
-    """What cuts a plan's rounds besides its classes: the loads of each pattern, and the kinds of
-    members there are. A member computes its own (`member_traffic`); the plan's is the union over
+    """What cuts a plan's rounds besides its classes: the loads of each pattern, and the positions
+    members are in. A member computes its own (`member_traffic`); the plan's is the union over
     the members (`|`, or one all-reduce with MAX of `vector()`)."""
 
     loads: tuple[Loads, ...]
-    kinds: frozenset[Kind]
-    positions: tuple[int, int]  # how many positions each layout has, counting 0
+    positions: frozenset[Position]
+    seats: tuple[int, int]  # how many seats each layout has, counting 0
 
     def __or__(self, other: Traffic) -> Traffic:
         loads = tuple(a | b for a, b in zip(self.loads, other.loads, strict=True))
-        return Traffic(loads, self.kinds | other.kinds, self.positions)
+        return Traffic(loads, self.positions | other.positions, self.seats)
 
     def vector(self) -> list[int]:
-        """The loads, then one 0/1 flag per kind: every member's vector has the same length."""
-        old, new = self.positions
+        """The loads, then one 0/1 flag per position: every member's vector has the same
+        length."""
+        old, new = self.seats
         flags = [0] * (old * new)
-        for a, b in self.kinds:
+        for a, b in self.positions:
             flags[a * new + b] = 1
         return [v for one in self.loads for v in one.values()] + flags
 
@@ -291,29 +295,30 @@ class Traffic:
         if len(values) != len(self.vector()):
             raise InvalidInput(f"traffic of {len(values)} values, expected {len(self.vector())}")
         loads = tuple(Loads(*values[i * width : (i + 1) * width]) for i in range(count))
-        _, new = self.positions
+        _, new = self.seats
         flags = values[count * width :]
-        kinds = frozenset(divmod(i, new) for i, flag in enumerate(flags) if flag)
-        return Traffic(loads, kinds, self.positions)
+        positions = frozenset(divmod(i, new) for i, flag in enumerate(flags) if flag)
+        return Traffic(loads, positions, self.seats)
 
 
-def _positions(old: Layout, new: Layout) -> tuple[int, int]:
+def _seats(old: Layout, new: Layout) -> tuple[int, int]:
     return old.pp * old.ep + 1, new.pp * new.ep + 1
 
 
 class _Rounds:
     """First-fit packing of moves into rounds of `budget` bytes per member (module docstring)."""
 
-    def __init__(self, budget: int, kinds: int) -> None:
-        self.budget, self.kinds = budget, kinds
+    def __init__(self, budget: int, positions: int) -> None:
+        self.budget, self.positions = budget, positions
         self.moves: list[list[Move]] = []
-        self.used: list[list[int]] = []  # bytes of each kind of member in each round
+        self.used: list[list[int]] = []  # bytes of each position in each round
 
     def _room(self, r: int, load: Sequence[tuple[int, int]], most: int) -> int:
-        """How many copies of `load` ((kind, bytes) pairs) still fit into round r, up to `most`."""
+        """How many copies of `load` ((position, bytes) pairs) still fit into round r, up to
+        `most`."""
         if r == len(self.moves):
             self.moves.append([])
-            self.used.append([0] * self.kinds)
+            self.used.append([0] * self.positions)
         used = self.used[r]
         return min([most, *((self.budget - used[k]) // n for k, n in load)])
 
@@ -351,23 +356,24 @@ def cut_rounds(
     new: Layout,
     classes: Sequence[TensorClass],
     loads: Sequence[Loads],
-    kinds: Sequence[Kind],
+    positions: Sequence[Position],
     budget: int,
 ) -> tuple[tuple[tuple[Move, ...], ...], dict[int, int]]:
     """The rounds of plan groups `classes` whose patterns' loads are `loads` (one per group),
-    among members of `kinds`, and the rows per chunk of each group cut into chunks."""
+    among members in `positions`, and the rows per chunk of each group cut into chunks."""
     if budget < 1:
         raise InvalidInput(f"budget must be a positive number of bytes, got {budget}")
-    rounds = _Rounds(budget, len(kinds))
+    rounds = _Rounds(budget, len(positions))
     chunk_rows: dict[int, int] = {}
     for g, (cls, pattern) in enumerate(zip(classes, loads, strict=True)):
         if not pattern.both:
             continue
 
         def load(send: int, recv: int, both: int, cls: TensorClass = cls) -> list[tuple[int, int]]:
-            """Bytes each kind of member may move in the class: it sends, receives, or both."""
+            """Bytes members of each position may move in the class: they send, receive, or
+            both."""
             out = []
-            for k, (a, b) in enumerate(kinds):
+            for k, (a, b) in enumerate(positions):
                 sends, recvs = _touches(old, cls.old, a), _touches(new, cls.new, b)
                 n = both if sends and recvs else send if sends else recv if recvs else 0
                 if n:
@@ -398,14 +404,16 @@ def cut_rounds(
 
 
 def plan_traffic(plan: Plan) -> Traffic:
-    """The traffic of a whole plan: every pattern's loads, every member's kind."""
+    """The traffic of a whole plan: every pattern's loads, every member's position."""
     old, new = plan.old, plan.new
-    kinds = frozenset(
-        member_kind(old, new, old.ranks.get(m) if m not in plan.lost else None, new.ranks.get(m))
+    positions = frozenset(
+        member_position(
+            old, new, old.ranks.get(m) if m not in plan.lost else None, new.ranks.get(m)
+        )
         for m in plan.members
     )
     loads = tuple(Loads.of(p.network) for p in plan.patterns)
-    return Traffic(loads, kinds, _positions(old, new))
+    return Traffic(loads, positions, _seats(old, new))
 
 
 def build_schedule(plan: Plan, budget: int) -> Schedule:
@@ -413,7 +421,7 @@ def build_schedule(plan: Plan, budget: int) -> Schedule:
     traffic = plan_traffic(plan)
     rounds, chunk_rows = cut_rounds(
         plan.spec, plan.old, plan.new, [g.tensors for g in plan.groups],
-        [traffic.loads[g.pattern] for g in plan.groups], sorted(traffic.kinds), budget,
+        [traffic.loads[g.pattern] for g in plan.groups], sorted(traffic.positions), budget,
     )  # fmt: skip
     return Schedule(budget, rounds, chunk_rows, plan)
 
@@ -421,7 +429,7 @@ def build_schedule(plan: Plan, budget: int) -> Schedule:
 def member_traffic(part: MemberPlan) -> Traffic:
     """The traffic of a member's own part: the plan's is the union over the members."""
     loads = tuple(Loads.of(network, part.slot) for network in part.network)
-    return Traffic(loads, frozenset({part.kind}), _positions(part.old, part.new))
+    return Traffic(loads, frozenset({part.position}), _seats(part.old, part.new))
 
 
 def member_schedule(part: MemberPlan, traffic: Traffic, budget: int) -> MemberSchedule:
@@ -433,6 +441,6 @@ def member_schedule(part: MemberPlan, traffic: Traffic, budget: int) -> MemberSc
         )
     rounds, chunk_rows = cut_rounds(
         part.spec, part.old, part.new, [cls for _, cls in part.groups],
-        [traffic.loads[pattern] for pattern, _ in part.groups], sorted(traffic.kinds), budget,
+        [traffic.loads[pattern] for pattern, _ in part.groups], sorted(traffic.positions), budget,
     )  # fmt: skip
     return MemberSchedule(budget, rounds, chunk_rows, part)

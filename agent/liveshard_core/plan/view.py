@@ -19,7 +19,7 @@ from ..vps.spec import ModelSpec, TensorRef
 from .classes import TensorClass, tensor_classes
 from .matching import Piece, Slot, member_pieces
 from .plan import lost_tensor
-from .schedule import Kind, member_kind
+from .schedule import Position, member_position
 from .union import Union
 
 
@@ -32,7 +32,7 @@ class MemberPlan:
     new: Layout
     member: str
     slot: Slot
-    kind: Kind  # where it is in both layouts (`schedule.member_kind`)
+    position: Position  # where it is in both layouts (`schedule.member_position`)
     members: int  # the size of the union
     patterns: tuple[tuple[Piece, ...], ...]  # numbered as Plan.patterns
     groups: tuple[tuple[int, TensorClass], ...]  # (pattern, class), as Plan.groups
@@ -81,9 +81,9 @@ def member_plan(
                 pieces = member_pieces(union, cls.old, cls.new, old_rank, new_rank)
             patterns.append(tuple(pieces))
         groups.append((index[key], cls))
-    kind = member_kind(old, new, old_rank, new_rank)
+    position = member_position(old, new, old_rank, new_rank)
     return MemberPlan(
-        spec, old, new, member, slot, kind, len(union.members), tuple(patterns), tuple(groups)
+        spec, old, new, member, slot, position, len(union.members), tuple(patterns), tuple(groups)
     )
 
 

@@ -205,6 +205,9 @@ def _params(cfg: TransformerConfig) -> list[Param]:
     return out
 
 
+Ints = tuple[int, ...]
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """The ordered logical tensors of a model; the order is part of every plan's identity."""
@@ -251,6 +254,20 @@ class ModelSpec:
                 f"{[k.value for k in self.kinds]}"
             )
         return TensorRef(self._refs[name], kind)
+
+    @cached_property
+    def signatures(self) -> tuple[Ints, Ints, Ints, Ints]:
+        """Per parameter: the number of its (shape, split dimension, parts) among the model's
+        distinct ones, its placement, its layer (-1: none) and its expert (-1: none)."""
+        numbers: dict[tuple[object, ...], int] = {}
+        shapes = tuple(
+            numbers.setdefault((p.shape, p.split_dim, p.parts), len(numbers)) for p in self.params
+        )
+        order = {placement: i for i, placement in enumerate(Placement)}
+        placements = tuple(order[p.placement] for p in self.params)
+        layers = tuple(-1 if p.layer is None else p.layer for p in self.params)
+        experts = tuple(-1 if p.expert is None else p.expert for p in self.params)
+        return shapes, placements, layers, experts
 
     @cached_property
     def digest(self) -> str:
