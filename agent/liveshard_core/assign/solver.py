@@ -8,8 +8,10 @@ feasible and tight on the matching, which is what proves the result optimal (LP 
 assignment polytope). Costs are integers (int64), so the result is exact, not approximate.
 
 Rows are fetched through a callback, so a caller can build them on demand instead of holding a
-rows x columns matrix. Each scan is a handful of numpy operations over the columns; a row that
-finds its best column free costs one scan.
+rows x columns matrix. Each scan is a handful of numpy operations over the columns. A row with a
+free column among its cheapest when all rows are first looked at takes it there (row reduction,
+as in Jonker and Volgenant's initialisation); only the others are searched, and a search ends as
+soon as a free column is among the nearest (costs often tie: members hold the same bytes).
 """
 
 from __future__ import annotations
@@ -36,7 +38,18 @@ def min_cost_assignment(rows: int, cols: int, row_cost: Callable[[int], Ints]) -
     owner = np.full(cols, -1, dtype=np.int64)
     way = np.zeros(cols, dtype=np.int64)  # the previous column on the path; -1: the start
     used = np.zeros(cols, dtype=np.int64)  # columns scanned in this search, in order
+    # Row reduction: a row with a free column among its cheapest takes it, with its potential at
+    # that cost; every reduced cost stays non-negative and the pair is tight, so it needs no search.
+    searched = []
     for i in range(rows):
+        cost = row_cost(i)
+        open_cost = np.where(owner < 0, cost, _INF)
+        j = int(np.argmin(open_cost))
+        if open_cost[j] == cost.min():
+            owner[j], u[i] = i, cost[j]
+        else:
+            searched.append(i)
+    for i in searched:
         # The search starts at row i; minv holds each column's tentative distance, and a column
         # once scanned is pushed to _INF so that argmin never picks it again.
         minv = np.full(cols, _INF, dtype=np.int64)
@@ -52,6 +65,10 @@ def min_cost_assignment(rows: int, cols: int, row_cost: Callable[[int], Ints]) -
             way[better] = j0
             j1 = int(np.argmin(minv))
             delta = minv[j1]
+            if owner[j1] >= 0:  # among the nearest columns, a free one ends the search now
+                nearest_free = np.flatnonzero((minv == delta) & (owner < 0))
+                if len(nearest_free):
+                    j1 = int(nearest_free[0])
             u_start += delta
             if n_used:
                 scanned = used[:n_used]

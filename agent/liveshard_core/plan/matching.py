@@ -14,7 +14,8 @@ Because the rule names a piece's source from `(j, k, i)` alone, one member finds
 without the others' (`member_pieces`): what it receives from the boxes it needs, and what it sends
 by stepping through the holders of each overlapping new box `H` at a time. Both walk the
 partitions by arithmetic (`region.Geometry`), so a member's part costs what it holds, not the
-number of ranks. Pieces are listed in the order of `(ord(j), ord(k), i)`, wherever computed.
+number of ranks. Pieces are listed in the order of (old cell, new cell, `ord(j)`, `ord(k)`, `i`)
+wherever they are computed (a cell: `region.Cell`).
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def member_pieces(
                     continue
                 sources = union.sources(holders)
                 if not len(sources):
-                    raise LostPiece(box)
+                    raise LostPiece(part)
                 keyed.append(((j, k, i), Piece(sources.slot((j + k + i) % len(sources)), me, part)))
     if old_rank is not None:
         me_old = union.old_slot(old_rank)

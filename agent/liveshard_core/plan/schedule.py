@@ -227,15 +227,20 @@ class MemberSchedule(_Rounded):
     def spec(self) -> ModelSpec:
         return self.part.spec
 
+    def _own(self, slot: Slot) -> MemberPlan:
+        if slot != self.part.slot:
+            raise InvalidInput(
+                f"a member's schedule holds slot {self.part.slot}'s part, not {slot}'s"
+            )
+        return self.part
+
     def slot_rounds(self, slot: Slot) -> list[list[Op]]:
         """The member's operations round by round (`slot` must be its own)."""
-        part = self.part
-        if slot != part.slot:
-            raise InvalidInput(f"a member's schedule holds slot {part.slot}'s part, not {slot}'s")
+        part = self._own(slot)
         return self.expand(lambda g: part.groups[g][1], lambda g: part.network[part.groups[g][0]])
 
     def local_copies(self, slot: Slot) -> list[Op]:
-        local, _, _ = self.part.expanded()
+        local, _, _ = self._own(slot).expanded()
         return local
 
 

@@ -1,7 +1,9 @@
-"""The union of a change's old and new members, numbered by slot.
+"""The union of a change's old and new members, numbered by slot, and its partitions.
 
 A plan names members by *slot*: the old members in old rank order, then the members only the new
 layout has, in new rank order. Members that died with their state (`lost`) take no slot.
+`Union` also keeps each placement's partition (`region.Geometry`) and what the whole plan derives
+from two of them: the overlapping boxes by cells, and every cell's holders as slots.
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ def union_members(old: Layout, new: Layout, lost: frozenset[str] = frozenset()) 
 
 def check_change(old: Layout, new: Layout, lost: frozenset[str]) -> None:
     """Raise ValueError when `lost` names members the change cannot lose."""
-    unknown = sorted(lost - set(old.members))
+    unknown = sorted(m for m in lost if m not in old.ranks)
     if unknown:
         raise InvalidInput(f"lost members {unknown} are not members of the old layout")
-    back = sorted(lost & set(new.members))
+    back = sorted(m for m in lost if m in new.ranks)
     if back:
         raise InvalidInput(f"lost members {back} cannot be members of the new layout")
 
