@@ -35,6 +35,7 @@ which records the committed epoch, reconciles that case.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -345,15 +346,22 @@ class Reconfiguration:
 
     def _agree_on_digest(self, digest: str) -> None:
         """Publish this member's plan digest, with the settings every member must share (the
-        budget, which cuts the rounds, and the verification, which shapes the vote), and compare
-        it with every other member's."""
+        budget, which cuts the rounds, and the verification, which shapes the vote), and check
+        that every member published the same. A few store operations per member, whatever the
+        number of members: each counts itself under its digest and among those that published,
+        the last to publish says so; only a failure reads the members' digests one by one, to
+        name who is missing or differs."""
         prefix = f"liveshard/{self.epoch}/digest/"
         self._digest = digest
         agreed = f"{digest} budget={self.budget} verify={self.verification.value}"
+        same = prefix + "count/" + hashlib.sha256(agreed.encode()).hexdigest()
         self.store.set(prefix + self.member, agreed)
+        self.store.add(same, 1)
+        if self.store.add(prefix + "published", 1) == len(self.members):
+            self.store.set(prefix + "all", "1")
         keys = [prefix + m for m in self.members]
         try:
-            self.store.wait(keys, timedelta(seconds=self.timeouts.prepare))
+            self.store.wait([prefix + "all"], timedelta(seconds=self.timeouts.prepare))
         except RuntimeError:
             missing = [
                 m for m, k in zip(self.members, keys, strict=True) if not self.store.check([k])
@@ -362,18 +370,19 @@ class Reconfiguration:
                 f"epoch {self.epoch}: members {missing} published no plan digest within "
                 f"{self.timeouts.prepare} s"
             ) from None
+        if self.store.add(same, 0) == len(self.members):
+            return
         differ = [
             m
             for m, k in zip(self.members, keys, strict=True)
             if self.store.get(k).decode() != agreed
         ]
-        if differ:
-            raise PlanMismatch(
-                f"epoch {self.epoch}: members {differ} computed a different plan or settings "
-                f"than {self.member} (digest {digest[:12]}, budget {self.budget}, "
-                f"verification {self.verification.value}); they disagree about the model, "
-                "layouts, members, budget or verification"
-            )
+        raise PlanMismatch(
+            f"epoch {self.epoch}: members {differ} computed a different plan or settings "
+            f"than {self.member} (digest {digest[:12]}, budget {self.budget}, "
+            f"verification {self.verification.value}); they disagree about the model, "
+            "layouts, members, budget or verification"
+        )
 
     def abort(self) -> None:
         """Give up a reconfiguration before its switch, also while it is still preparing (its
