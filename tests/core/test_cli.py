@@ -127,6 +127,24 @@ def test_rank_view(capsys: pytest.CaptureFixture[str]) -> None:
     assert box == [[128, 256], [0, 64]]  # tp rank 1's half of the 256 vocabulary rows
 
 
+@pytest.mark.parametrize("budget", ["64KiB", "1GiB"])
+def test_rank_view_rounds_are_the_members_part_of_the_schedule(
+    capsys: pytest.CaptureFixture[str], budget: str
+) -> None:
+    argv = ["--model", "tiny", "--from", "tp=2,dp=2,zero=1", "--to", "pp=2,dp=3,zero=1",
+            "--add", "2", "--budget", budget]  # fmt: skip
+    whole = run_json(capsys, *argv)
+    assert whole["rounds"] > (1 if budget == "64KiB" else 0)
+    for member in map(str, range(6)):
+        view = run_json(capsys, *argv, "--rank", member)
+        assert view["rounds"] == whole["rounds"]
+        sends, recvs = view["round_send_bytes"], view["round_recv_bytes"]
+        assert len(sends) == len(recvs) == view["rounds"]
+        assert sum(sends) == view["send_bytes"]
+        assert sum(recvs) == view["recv_bytes"]
+        assert all(s + r <= view["budget_bytes"] for s, r in zip(sends, recvs, strict=True))
+
+
 def test_rank_view_of_a_dropped_member(capsys: pytest.CaptureFixture[str]) -> None:
     # dp=2 -> dp=1 under zero=1: member 1 leaves and sends its ZeRO shard (half of every fp32
     # tensor of tiny, see test_plan): 213568 / 2 elements * 12 bytes = 1281408.

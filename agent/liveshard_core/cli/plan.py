@@ -12,14 +12,16 @@ states both). `--predict` adds the predicted pause of the schedule (`plan.predic
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 from ..layout.layout import Layout, parse_degrees
 from ..members import Assign, Change, MemberChange, resolve_change
 from ..plan.bounds import lower_bound_bytes
+from ..plan.matching import Piece
 from ..plan.plan import Plan, build_plan
 from ..plan.predict import predict
-from ..plan.schedule import Schedule, build_schedule
+from ..plan.schedule import Op, Schedule, build_schedule, member_schedule, plan_traffic
 from ..plan.union import union_members
 from ..plan.view import plan_view
 from ..vps.box import Box, volume
@@ -72,7 +74,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )  # fmt: skip
     lost = member_change.lost_members()
     if args.rank is not None:
-        return view_summary(spec, change.old, change.new, str(args.rank), lost)
+        return view_summary(spec, change.old, change.new, str(args.rank), lost, budget)
     summary, plan, schedule = plan_summary(
         spec, change.old, change.new, budget, lost, change, seconds
     )
@@ -155,10 +157,20 @@ def predict_summary(
 
 
 def view_summary(
-    spec: ModelSpec, old: Layout, new: Layout, member: str, lost: frozenset[str] = frozenset()
+    spec: ModelSpec,
+    old: Layout,
+    new: Layout,
+    member: str,
+    lost: frozenset[str],
+    budget: int,
 ) -> dict[str, Any]:
-    """The figures and pieces `liveshard plan --rank R --json` prints for one member."""
+    """The figures, rounds and pieces `liveshard plan --rank R --json` prints for one member.
+    The member's rounds need the plan's traffic, which agents unite by one all-reduce; here it
+    comes from the whole plan (`plan_seconds` counts the member's own work only)."""
     view, seconds = timed(plan_view, spec, old, new, member, lost)
+    part = view.part
+    traffic = plan_traffic(build_plan(spec, old, new, lost))
+    rounds = member_schedule(part, traffic, budget).slot_rounds(part.slot)
     members = union_members(old, new, lost)
 
     def entries(items: Any, peer_of: str) -> list[dict[str, Any]]:
@@ -188,7 +200,15 @@ def view_summary(
         "local_bytes": sum(e["bytes"] for e in local),
         "send_bytes": sum(e["bytes"] for e in sends),
         "recv_bytes": sum(e["bytes"] for e in recvs),
+        "budget_bytes": budget,
+        "rounds": len(rounds),
+        "round_send_bytes": [_op_bytes(spec, ops, lambda p: p.src == part.slot) for ops in rounds],
+        "round_recv_bytes": [_op_bytes(spec, ops, lambda p: p.dst == part.slot) for ops in rounds],
         "local": local,
         "sends": sends,
         "recvs": recvs,
     }
+
+
+def _op_bytes(spec: ModelSpec, ops: list[Op], mine: Callable[[Piece], bool]) -> int:
+    return sum(volume(p.box) * spec.dtype(ref.kind).itemsize for ref, p in ops if mine(p))

@@ -91,8 +91,7 @@ def member_plan(
 class PlanView:
     """One member's part of a plan: what it copies locally, sends and receives."""
 
-    member: str
-    slot: Slot
+    part: MemberPlan
     local: tuple[tuple[TensorRef, Piece], ...]
     sends: tuple[tuple[TensorRef, Piece], ...]
     recvs: tuple[tuple[TensorRef, Piece], ...]
@@ -106,4 +105,4 @@ def plan_view(
         raise InvalidInput(f"member {member!r} is lost and takes no part in the plan")
     part = member_plan(spec, old, new, member, lost)
     local, sends, recvs = part.expanded()
-    return PlanView(member, part.slot, tuple(local), tuple(sends), tuple(recvs))
+    return PlanView(part, tuple(local), tuple(sends), tuple(recvs))

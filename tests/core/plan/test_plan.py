@@ -34,8 +34,8 @@ def check_views(spec: ModelSpec, old: Layout, new: Layout) -> None:
     pieces = expanded(plan)
     for index, member in enumerate(plan.members):
         view = plan_view(spec, old, new, member)
-        assert view.member == member
-        assert view.slot == index
+        assert view.part.member == member
+        assert view.part.slot == index
 
         local = Counter(p for p in pieces if p[1] == p[2] == index)
         sends = Counter(p for p in pieces if p[1] == index != p[2])
