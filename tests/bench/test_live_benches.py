@@ -1,0 +1,46 @@
+"""`bench/reshard.py --quick` and `bench/training.py --quick` run end to end: both fail on a switch
+that does not commit or lands a wrong byte; here their reports are checked for shape and for what
+must hold whatever the machine (no timing asserted)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_bench(name: str, out: Path) -> Any:
+    subprocess.run(
+        [sys.executable, str(ROOT / "bench" / name), "--quick", "--out", str(out)],
+        check=True, capture_output=True, text=True, timeout=420,
+    )  # fmt: skip
+    return json.loads(out.read_text())
+
+
+def test_reshard_benchmark_quick(tmp_path: Path) -> None:
+    rows = run_bench("reshard.py", tmp_path / "reshard.json")
+    assert [r["transition"].split()[0] for r in rows] == ["dp", "tp", "pp"]
+    for r in rows:
+        assert 0 < r["network_bytes"] <= r["state_bytes"]
+        assert r["rounds"] > 0 and r["pairs"] > 0
+        assert r["bounded_within_budget_plus_growth"]
+        assert r["bounded_peak_extra_bytes"] <= r["peak_extra_bytes"] + r["budget_bytes"]
+        for key in ("switch_seconds", "checkpoint_restart_seconds", "raw_transport_seconds"):
+            assert r[key] > 0
+
+
+def test_training_benchmark_quick(tmp_path: Path) -> None:
+    report = run_bench("training.py", tmp_path / "training.json")
+    sequence = report["sequence"]
+    layouts = [entry["layout"] for entry in sequence["layouts"]]
+    assert len(layouts) == len(sequence["switches"]) + 1
+    assert [(s["from"], s["to"]) for s in sequence["switches"]] == list(pairwise(layouts))
+    assert all(entry["steps"] > 0 for entry in sequence["layouts"])
+    assert math.isfinite(sequence["final_loss"])
+    assert report["overhead"]["steps_while_preparing"] >= 1
