@@ -231,8 +231,9 @@ def _no_layout(
     closest: dict[str, tuple[float, str]],
 ) -> str:
     head = f"no layout of at most {members} members fits {spec.config.name}"
-    if not rejected:
-        return f"{head}: no candidate (tp={c.tp}, pp_max={c.pp_max}, ep={c.ep})"
+    if not rejected:  # the smallest tp x pp already needs more members
+        tp, pp = c.tp or 1, c.pp or 1
+        return f"{head}: tp={tp} x pp={pp} needs {tp * pp} members; add members or lower --tp"
     if "memory" in closest:
         _, text = closest["memory"]
         return (

@@ -73,6 +73,7 @@ def test_from_a_current_layout_moves_few_bytes() -> None:
         (16, Constraints(tp=3), Hardware(), "tp must divide heads"),
         (16, Constraints(tp=8, global_batch=7, micro_batch=2), Hardware(), "global batch 7"),
         (0, Constraints(), Hardware(), "members=0"),
+        (4, Constraints(tp=8), Hardware(), r"tp=8 x pp=1 needs 8 members"),
     ],
 )
 def test_no_layout_names_the_constraint(
