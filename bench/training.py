@@ -19,6 +19,12 @@ On this machine (CPU, gloo, 4 member processes, one torch thread each), in one r
    readiness carried in every step's all-reduce; `Member.train_step` + `at_boundary`), blocks of
    steps alternating between the two. Target: under 1%. And the step time while a prepare runs
    in the background (the steps that start before it finishes) against without.
+4. Recovery from a member that dies without notice (`--kill 20:1`: it kills its own process as it
+   begins step 20, just after a checkpoint at step 20): the recovery's pause (the survivors' break
+   to their first step after, maximum over members) with a new process in the dead member's place,
+   and with a pre-warmed standing-by process there (a switch to dp=3 at step 5 leaves one), against
+   a restart of fresh processes from that checkpoint (which loses no step here; in general it
+   also loses the steps since the last checkpoint).
 
     python bench/training.py [--quick] [--out bench/results/training.json]
 """
@@ -41,7 +47,7 @@ from typing import Any
 import torch
 from torch.distributed import TCPStore
 
-from liveshard_agent.runtime.launcher import Driver, LocalJob, parse_switch, run_job
+from liveshard_agent.runtime.launcher import Driver, LocalJob, ScriptedKill, parse_switch, run_job
 from liveshard_agent.runtime.member import Change, Member
 from liveshard_agent.runtime.settings import TrainingSettings
 from liveshard_core.layout.layout import parse_degrees
@@ -140,6 +146,37 @@ def sequence(steps: int) -> dict[str, Any]:
     ]
     final = [e for e in events if e["event"] == "step"][-1]
     return {"switches": out, "layouts": per_layout, "final_loss": round(final["loss"], 4)}
+
+
+# ---- 4: recovery from a member that dies ----
+
+
+def recovery(steps: int) -> dict[str, Any]:
+    kill = ScriptedKill(20, 1)
+    out: dict[str, Any] = {}
+    scenarios = [("new process", "dp=4", ()), ("standing-by process", "dp=4", ("5:dp=3",))]
+    with tempfile.TemporaryDirectory(prefix="liveshard-recovery-", dir=_scratch()) as scratch:
+        for label, layout, switches in scenarios:
+            directory = os.path.join(scratch, label.replace(" ", "-"))
+            events = run_job(_job(
+                layout, steps, switches=tuple(parse_switch(s) for s in switches), kills=(kill,),
+                checkpoint_dir=directory, checkpoint_every=kill.step,
+            ))  # fmt: skip
+            (done,) = [e for e in events if e["event"] == "switch" and e["lost"]]
+            if done["result"] != "committed":
+                raise AssertionError(f"recovery failed: {done}")
+            (save,) = [e for e in events if e["event"] == "checkpoint" and e["step"] == kill.step]
+            restart = restart_seconds(done["to"], save["path"], steps)["restart_and_load"]
+            out[label] = {
+                "layout": done["to"], "lost": done["lost"], "step": done["step"],
+                "pause_seconds": done["pause_seconds"],
+                "prepare_seconds": done["prepare_seconds"],
+                "switch_seconds": done["switch_seconds"].get("pause"),
+                "network_bytes": done["network_bytes"],
+                "checkpoint_restart_seconds": round(restart, 4),
+                "speedup": round(restart / done["pause_seconds"], 1),
+            }  # fmt: skip
+    return out
 
 
 def _scratch() -> str:
@@ -246,6 +283,7 @@ def main() -> None:
         "nprocs": NPROCS,
         "sequence": sequence(60),
         "overhead": overhead(blocks=2 if args.quick else 6, per_block=10 if args.quick else 20),
+        "recovery": recovery(30),
     }
     print(json.dumps(result, indent=1), flush=True)
     if args.out:

@@ -28,3 +28,8 @@ class RetryableError(LiveshardError):
 class InvalidInput(PermanentError, ValueError):
     """Input that names something impossible: the message names the field, the value and what
     would be valid. A ValueError too, so callers that validate with ValueError keep working."""
+
+
+class NoSurvivingCopy(InvalidInput):
+    """Some state was held only by lost members: no plan can rebuild it from memory, only a
+    checkpoint can."""

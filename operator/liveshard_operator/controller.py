@@ -9,8 +9,13 @@ job's status) and does one thing:
   members that left, delete their pods), or abort it everywhere when an agent reports an abort,
   a failed prepare, a pod vanishes or its deadline passes (then retry with backoff);
 - otherwise: replace leaving or lost members at once (a drained node, a deleted pod: the pod's
-  grace period is the budget), follow the replica count (new pods pre-warm as standby first),
-  and start a reconfiguration when the layout or the members must change.
+  grace period is the budget; a pod that ended without notice took its state along, and its
+  bytes come from surviving copies), follow the replica count (new pods pre-warm as standby
+  first), and start a reconfiguration when the layout or the members must change;
+- a recovery from a lost member that aborted (no surviving copy of some state, or survivors that
+  stopped in different states) cannot succeed by retrying: the job starts a new first world from
+  its last saved checkpoint with the pods it has (its step goes back to the checkpoint's), or is
+  Failed when it saved none.
 Everything the next pass needs is in the job's status, so a restarted operator resumes where the
 last one stopped; handlers only wake this loop.
 """
@@ -39,6 +44,8 @@ log = logging.getLogger(__name__)
 Events = Callable[[dict[str, Any], str, str, str], None]  # (job, type, reason, message)
 
 _TRAINING = (pb.AgentStatus.TRAINING, pb.AgentStatus.DONE)
+_RESTARTABLE = (pb.AgentStatus.STANDBY, pb.AgentStatus.BROKEN)  # may join a restored first world
+_UNRECOVERABLE = {"no_common_state", "no_surviving_copy"}  # a recovery's causes that will stay
 _MAX_BACKOFF = 120.0
 
 
@@ -48,6 +55,10 @@ def _agent(pod: Pod | None) -> pb.AgentStatus | None:
 
 def _trains_in(agent: pb.AgentStatus | None, epoch: int) -> bool:
     return agent is not None and agent.epoch >= epoch and agent.phase in _TRAINING
+
+
+def _broken(agent: pb.AgentStatus | None) -> bool:
+    return agent is not None and agent.phase == pb.AgentStatus.BROKEN
 
 
 def _gave_up(agent: pb.AgentStatus, epoch: int) -> bool:
@@ -214,11 +225,14 @@ class JobController:
     # ---- a world exists ----
 
     def _steady(self, step: _Pass, world: World) -> None:
+        if step.record.get("restore"):
+            self._restore(step, str(step.record["restore"]))
+            return
         pods, members = step.seen.pods, list(world.members)
         if any(self._agent_done(pods.get(m)) for m in members):
             step.status["finished"] = True
             return
-        lost = [m for m in members if m not in pods or pods[m].gone]
+        lost = [m for m in members if m not in pods or pods[m].gone] + self._silent(step, members)
         leaving = [m for m in members if m in pods and pods[m].leaving and m not in lost]
         stayers = [m for m in members if m not in lost and m not in leaving]
         standby = [p for p in step.seen.live() if p.standing_by and p.name not in members]
@@ -270,6 +284,19 @@ class JobController:
             epoch=self._next_epoch(step), reason="; ".join(reasons) or "new layout",
             new=World.of(0, layout), store=("", 0), old=world, lost=tuple(lost),
         ))  # fmt: skip
+
+    def _silent(self, step: _Pass, members: list[str]) -> list[str]:
+        """Members whose agent answers nothing while another's world broke: dead or hung, they
+        hold up the others; their pods are deleted and they count as lost."""
+        pods = step.seen.pods
+        if not any(_broken(_agent(pods.get(m))) for m in members):
+            return []
+        silent = [m for m in members if m in pods and not pods[m].gone and pods[m].agent is None]
+        for member in silent:
+            log.warning("job %s: %s answers nothing while its world is broken: %s", self.name,
+                        member, pods[member].error)  # fmt: skip
+            self.kube.delete(self.namespace, "pods", member)
+        return silent
 
     def _agent_done(self, pod: Pod | None) -> bool:
         return pod is not None and pod.agent is not None and pod.agent.phase == pb.AgentStatus.DONE
@@ -350,7 +377,13 @@ class JobController:
                    f"lost {', '.join(vanished)}" if vanished else "deadline passed")  # fmt: skip
             detail = next((agents[m].last_switch.reason or agents[m].pending.reason
                            for m in aborted), "")  # fmt: skip
-            self._abort(step, plan, f"{why}: {detail}" if detail else why, agents)
+            why = f"{why}: {detail}" if detail else why
+            self._abort(step, plan, why, agents)
+            causes = {agents[m].last_switch.cause for m in aborted}
+            if plan.lost and causes & _UNRECOVERABLE:  # the same recovery would abort again
+                lost = ", ".join(plan.lost)
+                step.record["restore"] = f"the recovery from the loss of {lost} {why}"
+                self._write(step.job, {"reconfiguration": step.record})
         else:
             self._ask_to_prepare(step, plan)
             step.status["message"] = (
@@ -409,6 +442,32 @@ class JobController:
                     f"epoch {plan.epoch} aborted ({plan.reason}): {why}; the job keeps its "
                     f"layout, retry in {backoff(attempts):.0f} s")  # fmt: skip
 
+    def _restore(self, step: _Pass, why: str) -> None:
+        """Start a new first world from the last checkpoint the members saved, with every ready
+        pod that is standing by or whose world broke; Failed when none was saved."""
+        pods = step.seen.pods.values()
+        saved = [p.agent.last_checkpoint for p in pods
+                 if p.agent is not None and p.agent.last_checkpoint.path]  # fmt: skip
+        if not saved:
+            step.status["failed"] = f"{why}; no checkpoint was saved, so the job cannot go on"
+            step.status["failedReason"] = "NoCopyNoCheckpoint"
+            return
+        last = max(saved, key=lambda c: c.number)
+        ready = [p.name for p in step.seen.live()
+                 if p.ready and p.agent is not None and p.agent.phase in _RESTARTABLE]  # fmt: skip
+        self._keep_pods(step, step.spec.replicas, set(ready))
+        try:
+            choice = policy.choose(step.model, step.spec, min(step.spec.replicas, len(ready)))
+        except InvalidInput as err:
+            step.status["message"] = f"restoring {last.path}: {err}"
+            return
+        layout = choice.degrees.layout(step.model, ready[: choice.used])
+        step.record["restore"] = None
+        self._begin(step, InFlight(
+            epoch=self._next_epoch(step), new=World.of(0, layout), store=("", 0),
+            reason=f"restore from {last.path} (step {last.step}): {why}", restore=last.path,
+        ))  # fmt: skip
+
     def _split(self, step: _Pass, plan: InFlight, trained: list[str], failed: list[str]) -> None:
         """Some members committed and others did not (a member died during the vote): no world
         is whole. Only a checkpoint can bring the job back."""
@@ -417,6 +476,7 @@ class JobController:
             "failed during the vote); restore the job from a checkpoint"
         )
         step.status["failed"] = message
+        step.status["failedReason"] = "SplitReconfiguration"
         self._event(step, "Warning", "SplitReconfiguration", message)
 
     def _checkpoint_if_due(self, step: _Pass, world: World) -> None:
@@ -473,7 +533,7 @@ class JobController:
         last = step.status.get("lastReconfiguration") or {}
         if step.status.get("failed"):
             phase = "Failed"
-            conds.set("Failed", True, "SplitReconfiguration", step.status["failed"])
+            conds.set("Failed", True, step.status["failedReason"], step.status["failed"])
         elif step.status.get("finished"):
             phase = "Succeeded"
             conds.set("Succeeded", True, "Trained", f"trained {step.spec.training['steps']} steps")

@@ -44,3 +44,8 @@ def test_training_benchmark_quick(tmp_path: Path) -> None:
     assert all(entry["steps"] > 0 for entry in sequence["layouts"])
     assert math.isfinite(sequence["final_loss"])
     assert report["overhead"]["steps_while_preparing"] >= 1
+    recoveries = report["recovery"]
+    assert set(recoveries) == {"new process", "standing-by process"}
+    for r in recoveries.values():
+        assert r["lost"] == ["w1"] and r["step"] == 20
+        assert r["pause_seconds"] > 0 and r["checkpoint_restart_seconds"] > 0

@@ -8,7 +8,10 @@ worker pods, each a local process that imports torch and trains on CPU.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
+import os
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -104,6 +107,12 @@ def agent_status(kube: Kube, pod: dict[str, Any], token: str | None) -> pb.Agent
                                                     metadata=metadata)  # fmt: skip
 
 
+def event_reasons(kube: Kube) -> list[str]:
+    events = kube.kubectl("get", "events", "--field-selector", f"involvedObject.name={JOB}",
+                          "-o", "json").stdout  # fmt: skip
+    return [e["reason"] for e in json.loads(events)["items"]]
+
+
 def token(kube: Kube) -> str:
     secret = kube.get(f"/api/v1/namespaces/{kube.namespace}/secrets/{JOB}-token")
     assert secret is not None
@@ -144,10 +153,7 @@ def test_scale_down_and_up_live(operator: Kube) -> None:
         agent = agent_status(kube, pods[name], secret)
         assert agent.epoch == grown["epoch"]
         assert agent.samples == agent.step * GLOBAL_BATCH, (name, agent.samples, agent.step)
-    events = kube.kubectl("get", "events", "--field-selector", f"involvedObject.name={JOB}",
-                          "-o", "json").stdout  # fmt: skip
-    reasons = [e["reason"] for e in json.loads(events)["items"]]
-    assert reasons.count("Reconfigured") >= 3  # the first world, 4 -> 2, 2 -> 3
+    assert event_reasons(kube).count("Reconfigured") >= 3  # the first world, 4 -> 2, 2 -> 3
 
 
 def test_drain_moves_a_worker_out_before_it_is_killed(operator: Kube) -> None:
@@ -180,6 +186,96 @@ def test_drain_moves_a_worker_out_before_it_is_killed(operator: Kube) -> None:
         kube.run("kubectl", "uncordon", node, check=False)
     # A replacement pod pre-warms and joins: the job is back to 3 members.
     steps.wait(training(3), "back to 3 members", STARTUP)
+
+
+def test_a_worker_killed_without_notice_is_recovered_from_its_replicas(operator: Kube) -> None:
+    kube = operator
+    # Without ZeRO every data-parallel replica holds the whole state: the dead one's is in memory.
+    kube.apply(job(3, parallelism={"zero": 0}))
+    steps = Steps(kube)
+    start = steps.wait(
+        lambda s: training(3)(s) and s.get("step", 0) >= 2, "training with 3", STARTUP
+    )
+    victim = start["members"][1]
+    before = members(kube)
+    kube.kubectl("delete", "pod", victim, "--grace-period=0", "--force")
+
+    def recovered(s: dict[str, Any]) -> bool:
+        last = s.get("lastReconfiguration") or {}
+        return victim not in s.get("members", [victim]) and "lost" in last.get("reason", "")
+
+    after = steps.wait(lambda s: recovered(s) and s.get("phase") == "Running", "a recovery")
+    last = after["lastReconfiguration"]
+    assert last["result"] == "committed" and last["epoch"] > start["epoch"], last
+    assert f"lost {victim}" in last["reason"]
+    survivors = [m for m in start["members"] if m != victim]
+    assert set(survivors) <= set(after["members"])
+    # The survivors kept their processes: the same pods, never restarted.
+    pods = members(kube)
+    for name in survivors:
+        assert pods[name]["metadata"]["uid"] == before[name]["metadata"]["uid"]
+        assert pods[name]["status"]["containerStatuses"][0]["restartCount"] == 0
+    # A replacement pod pre-warms and joins: the job is back to 3 members, and trains on.
+    back = steps.wait(training(3, after["epoch"] + 1), "back to 3 members", STARTUP)
+    steps.wait(lambda s: s.get("step", 0) > back["step"], "training on")
+
+
+def test_a_hung_worker_is_taken_out_once_the_others_world_breaks(operator: Kube) -> None:
+    kube = operator
+    kube.apply(job(3, parallelism={"zero": 0}))
+    steps = Steps(kube)
+    start = steps.wait(
+        lambda s: training(3)(s) and s.get("step", 0) >= 2, "training with 3", STARTUP
+    )
+    victim = start["members"][2]
+    container = members(kube)[victim]["status"]["containerStatuses"][0]["containerID"]
+    pid = int(container.removeprefix("process://"))
+    os.killpg(pid, signal.SIGSTOP)  # alive, holding its sockets, answering nothing
+    try:
+        # The others' collectives time out (opTimeoutSeconds), their world breaks, and the
+        # operator takes the silent member out.
+        after = steps.wait(lambda s: victim not in s.get("members", [victim])
+                           and s.get("phase") == "Running", "a recovery without it")  # fmt: skip
+        last = after["lastReconfiguration"]
+        assert last["result"] == "committed" and f"lost {victim}" in last["reason"], last
+        steps.wait(lambda s: s.get("step", 0) > after["step"], "training on")
+        pod = kube.get(f"/api/v1/namespaces/{kube.namespace}/pods/{victim}")
+        assert pod is None or pod["metadata"].get("deletionTimestamp")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+
+
+def test_a_worker_lost_with_the_only_copy_of_its_state_restores_the_last_checkpoint(
+    operator: Kube, tmp_path: Path
+) -> None:
+    kube = operator
+    # ZeRO-1 on 2 members: each holds the only copy of half the optimizer state.
+    saved = tmp_path / "checkpoints"
+    kube.apply(job(2, checkpoint={"path": str(saved), "everySteps": 3}))
+    steps = Steps(kube)
+    start = steps.wait(training(2), "training with 2", STARTUP)
+    written = wait_until(lambda: list(saved.glob("step-*/liveshard.json")), 120, "a checkpoint")
+    checkpoint_step = json.loads(written[0].read_text())["scalars"]["step"]
+    steps.wait(lambda s: s.get("step", 0) > checkpoint_step, "training past the checkpoint")
+    victim = start["members"][1]
+    kube.kubectl("delete", "pod", victim, "--grace-period=0", "--force")
+
+    def restored(s: dict[str, Any]) -> dict[str, Any] | None:
+        last = s.get("lastReconfiguration") or {}
+        ok = last.get("result") == "committed" and "restore from" in last.get("reason", "")
+        return s if ok and s.get("phase") == "Running" else None
+
+    after = wait_until(lambda: restored(status(kube)), 180, "a restore from the checkpoint",
+                       describe=lambda: json.dumps(status(kube))[:2000])  # fmt: skip
+    last = after["lastReconfiguration"]
+    assert f"loss of {victim}" in last["reason"] and "no surviving copy" in last["reason"]
+    assert str(saved) in last["reason"] and victim not in after["members"]
+    assert after["step"] >= checkpoint_step  # from a checkpoint's step on
+    assert "ReconfigurationAborted" in event_reasons(kube)  # the recovery in memory could not be
+    # The job trains on from the checkpoint, and grows back to 2 members.
+    wait_until(lambda: training(2, after["epoch"] + 1)(status(kube)) or None, STARTUP,
+               "back to 2 members", describe=lambda: json.dumps(status(kube))[:2000])  # fmt: skip
 
 
 def test_a_count_no_layout_can_use_leaves_hot_spares(operator: Kube) -> None:

@@ -20,6 +20,8 @@ class Cause(Enum):
     CHECKSUM_MISMATCH = "checksum_mismatch"  # the state after the transfer differs
     VOTE_INCOMPLETE = "vote_incomplete"  # the vote itself failed or timed out
     PLAN_MISMATCH = "plan_mismatch"  # members computed different plans (found in prepare)
+    NO_COMMON_STATE = "no_common_state"  # a broken world's survivors stopped in different states
+    NO_SURVIVING_COPY = "no_surviving_copy"  # some state was held only by lost members
 
 
 class TransferError(RetryableError):

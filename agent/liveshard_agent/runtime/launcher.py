@@ -10,7 +10,16 @@ at or after the scripted step at which all of them are prepared. A switch may ch
 count: members beyond the new layout's size stand by (their processes stay up and can be brought
 back), and new members get a process of their own, started (pre-warmed) when the change is sent.
 
-Output: one JSON line per step (`"event": "step"`) and per switch (`"event": "switch"`), or a
+A member whose process dies without notice (`--kill STEP:RANK`: the member at RANK kills its own
+process, SIGKILL, as it begins step STEP) is answered as on Kubernetes: the survivors' world
+breaks, and the driver sends a recovery, the same layout with the dead member's place given to a
+standing-by or new process and the dead member `lost`, whose bytes come from surviving copies (a
+scripted switch in flight is superseded and sent again afterwards). When no surviving copy or no
+common state exists, the recovery aborts and the job stops with its reason: only a checkpoint
+(`--resume`) can restore it.
+
+Output: one JSON line per step (`"event": "step"`), per switch (`"event": "switch"`), per lost
+member (`"event": "lost"`) and per member whose world broke (`"event": "broken"`), or a
 human-readable progress view when stdout is a terminal (`--json` forces JSON lines).
 """
 
@@ -20,9 +29,11 @@ import argparse
 import contextlib
 import dataclasses
 import importlib
+import itertools
 import json
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 import traceback
@@ -41,6 +52,7 @@ from liveshard_core.layout.layout import Degrees, Layout, parse_degrees
 from liveshard_core.vps.presets import resolve_model
 from liveshard_core.vps.spec import DType, ModelSpec
 
+from ..engine.errors import Cause
 from ..engine.switch import Timeouts
 from ..engine.world import StoreAddress
 from .loop import Command, Prepare, Start, Stop, run_member
@@ -72,6 +84,23 @@ def parse_switch(text: str) -> ScriptedSwitch:
 
 
 @dataclass(frozen=True)
+class ScriptedKill:
+    """The member at `rank` of the layout in effect kills its own process (SIGKILL) as it begins
+    step `step`: a failure without notice, at a known point."""
+
+    step: int
+    rank: int
+
+
+def parse_kill(text: str) -> ScriptedKill:
+    """`STEP:RANK`, e.g. `15:1`."""
+    step, sep, rank = text.partition(":")
+    if not sep or not step.strip().isdigit() or not rank.strip().isdigit():
+        raise InvalidInput(f"--kill {text!r}: expected STEP:RANK, e.g. 15:1")
+    return ScriptedKill(int(step), int(rank))
+
+
+@dataclass(frozen=True)
 class LocalJob:
     model: str
     nprocs: int
@@ -88,6 +117,7 @@ class LocalJob:
     record_samples: bool = False  # report the samples each replica fed in, every step
     hooks: str | None = None  # "module:function" making each member's SwitchHooks (tests)
     precision: str | None = None  # "fp32" or "bf16"; default: fp32 on CPU, the spec's on GPUs
+    kills: tuple[ScriptedKill, ...] = ()
 
     def spec(self) -> ModelSpec:
         """The model; by default on CPU its parameters are fp32 with no master copy (comparable
@@ -158,7 +188,7 @@ def _member_main(name: str, index: int, job: LocalJob, conn: Connection) -> None
             name=name, spec=job.spec(), settings=job.settings, device=device,
             timeouts=job.timeouts, job="local", checksums=job.checksums, hooks=hooks,
         )  # fmt: skip
-        run_member(member, _PipeInbox(conn), _reporter(name, job, conn), _checkpointer(job))
+        run_member(member, _PipeInbox(conn), _reporter(name, job, conn), _before_step(job))
     except BaseException as err:
         message = f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
         conn.send(("error", {"member": name, "message": message}))
@@ -195,19 +225,24 @@ def _step_event(record: StepRecord, layout: str, epoch: int, job: LocalJob) -> d
     }  # fmt: skip
 
 
-def _checkpointer(job: LocalJob) -> Callable[[Member], None] | None:
-    """`--checkpoint-every N`: every member asks for a checkpoint after each N-th step."""
-    every = job.checkpoint_every
-    if not every:
-        return None
-    assert job.checkpoint_dir is not None
-    directory = job.checkpoint_dir
+def _before_step(job: LocalJob) -> Callable[[Member], None]:
+    """`--checkpoint-every N`: every member asks for a checkpoint after each N-th step; `--kill
+    STEP:RANK`: the member at RANK dies as it begins step STEP."""
+    every, directory, kills = job.checkpoint_every, job.checkpoint_dir, job.kills
 
     def before_step(member: Member) -> None:
         after = member.step + 1
-        if after % every == 0:
+        if every and after % every == 0:
+            assert directory is not None
             path = os.path.join(directory, f"step-{after}")
             member.request_checkpoint(after // every, path, at_step=after)
+        assert member.layout is not None
+        rank = member.layout.rank_of(member.name)
+        for kill in kills:
+            # Once per job: the recovery resumes at this step, maybe with another member at RANK.
+            once = f"liveshard/kill/{kill.step}:{kill.rank}"
+            if (kill.step, kill.rank) == (member.step, rank) and member.store.add(once, 1) == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
 
     return before_step
 
@@ -242,6 +277,8 @@ class Driver:
         self.epoch = 0
         self.script: Iterator[ScriptedSwitch] = iter(job.switches)
         self.pending: Change | None = None
+        self.scripted: ScriptedSwitch | None = None  # the pending change's, if scripted
+        self.lost: set[str] = set()  # members of the layout in effect whose process died
 
     def _spawn(self, name: str) -> None:
         parent, child = self.ctx.Pipe()
@@ -270,6 +307,7 @@ class Driver:
     def _request_next(self) -> None:
         assert self.layout is not None
         switch = next(self.script, None)
+        self.scripted = switch
         if switch is None:
             self.pending = None
             return
@@ -304,25 +342,114 @@ class Driver:
             conns = {p.conn: p for p in self.processes.values()}
             for ready in wait(list(conns), timeout=1.0):
                 process = conns[cast(Connection, ready)]
+                if process.name not in self.processes:
+                    continue  # found dead with another
                 try:
                     message = process.conn.recv()
                 except (EOFError, OSError):
-                    raise RuntimeError(
-                        f"member {process.name} exited (code {process.proc.exitcode})"
-                    ) from None
+                    self._lost(process)
+                    continue
                 kind, event = message
                 if kind == "error":
                     raise RuntimeError(f"member {event['member']} failed: {event['message']}")
                 if kind == "event":
                     self.emit(event)
+                elif kind == "broken":
+                    self.emit({"event": "broken", **event})
                 elif kind == "done":
                     done.add(event["member"])
-                elif kind == "switch" and event["report"]:
-                    self._switched(event)
+                elif kind == "switch":
+                    self._settled(event)
+
+    def _lost(self, process: _Process) -> None:
+        """A member's process died: recover without it (and any other member found dead) when it
+        was a member of the layout in effect (the others cannot go on without its state), else
+        the job fails. A death found later is answered by a recovery that supersedes this one."""
+        assert self.layout is not None
+        if process.name not in self.layout.members:
+            process.proc.join(5)
+            raise RuntimeError(f"member {process.name} exited (code {process.proc.exitcode})")
+        dead = [process] + [
+            p for p in self.processes.values()
+            if p is not process and p.name in self.layout.members and not p.proc.is_alive()
+        ]  # fmt: skip
+        for gone in dead:
+            gone.proc.join(5)
+            del self.processes[gone.name]
+            self.emit({"event": "lost", "member": gone.name, "exit_code": gone.proc.exitcode})
+            self.lost.add(gone.name)
+        if self.pending is not None and not self.pending.lost:
+            self._postpone()  # superseded by the recovery
+        members = list(self.layout.members)
+        for name in self.lost:
+            members[members.index(name)] = self._standing_by()
+        self.epoch += 1
+        change = Change(
+            epoch=self.epoch, old=self.layout,
+            new=dataclasses.replace(self.layout, members=tuple(members)), at_step=0,
+            lost=frozenset(self.lost), budget=self.job.budget,
+        )  # fmt: skip
+        self.pending, self.scripted = change, None
+        for name in dict.fromkeys(self.layout.members + change.new.members):
+            if name in self.processes:
+                with contextlib.suppress(BrokenPipeError, OSError):  # dead too: seen next
+                    self.processes[name].conn.send(Prepare(change, self.address))
+
+    def _postpone(self) -> None:
+        """Give up the pending scripted switch until the recovery has committed."""
+        pending, scripted = self.pending, self.scripted
+        assert pending is not None
+        if scripted is not None:
+            self.script = itertools.chain([scripted], self.script)
+        self.standby += [m for m in pending.new.members if m not in pending.old.ranks]
+        self.pending, self.scripted = None, None
+
+    def _standing_by(self) -> str:
+        """A member to take a place: one standing by, or a new process."""
+        while self.standby:
+            name = self.standby.pop(0)
+            if name in self.processes:
+                return name
+        name = next(self.names)
+        self._spawn(name)
+        return name
+
+    def _settled(self, event: dict[str, Any]) -> None:
+        """A member's account of a switch: the job goes on from the reported one of the pending
+        change; a recovery that aborts anywhere ends the job."""
+        change = self.pending
+        if change is None or event["epoch"] != change.epoch:
+            return  # a superseded change, given up
+        aborted = event["result"] == "aborted"
+        if change.lost and aborted:
+            raise RuntimeError(
+                f"the recovery from the loss of {sorted(change.lost)} failed: {event['reason']}"
+            )
+        if not event["report"]:
+            return
+        if aborted and event["cause"] == Cause.PEER_FAILED.value:
+            # A member died (its loss is seen next) or a transfer failed: try again later.
+            self.emit(self._switch_event(event))
+            self._postpone()
+            return
+        self._switched(event)
 
     def _switched(self, event: dict[str, Any]) -> None:
         change = self.pending
         assert change is not None and self.layout is not None
+        self.emit(self._switch_event(event))
+        if event["result"] == "committed":
+            left = [m for m in change.old.members if m not in change.new.ranks]
+            self.standby += [m for m in left if m not in change.lost]
+            self.layout = change.new
+            self.lost.clear()
+        else:
+            joined = [m for m in change.new.members if m not in change.old.ranks]
+            self.standby += joined
+        self._request_next()
+
+    @staticmethod
+    def _switch_event(event: dict[str, Any]) -> dict[str, Any]:
         out = {
             k: v
             for k, v in event.items()
@@ -333,15 +460,7 @@ class Driver:
         if event["checksums"]:
             out["checksums"] = event["checksums"]
         out["switch_seconds"] = event["switch_seconds"]
-        self.emit({"event": "switch", **out})
-        if event["result"] == "committed":
-            left = [m for m in change.old.members if m not in change.new.ranks]
-            self.standby += left
-            self.layout = change.new
-        else:
-            joined = [m for m in change.new.members if m not in change.old.ranks]
-            self.standby += joined
-        self._request_next()
+        return {"event": "switch", **out}
 
     def close(self) -> None:
         for process in self.processes.values():
@@ -373,12 +492,20 @@ def _printer(as_json: bool) -> Callable[[dict[str, Any]], None]:
             print(f"step {event['step']:>5}  loss {event['loss']:.4f}  epoch {event['epoch']}  "
                   f"{event['layout']}  {event['step_seconds'] * 1000:.0f} ms  "
                   f"{rate:,.0f} tokens/s", flush=True)  # fmt: skip
-        else:
+        elif event["event"] == "lost":
+            print(f"== member {event['member']} died (exit code {event['exit_code']})", flush=True)
+        elif event["event"] == "broken":
+            print(f"   {event['member']}: world broke at step {event['step']}: {event['reason']}",
+                  flush=True)  # fmt: skip
+        elif event["event"] == "switch":
             print(f"== switch at step {event['step']}: {event['from']} -> {event['to']}: "
                   f"{event['result']}, pause {event['pause_seconds']:.3f} s, prepared in "
                   f"{event['prepare_seconds']:.2f} s, {event['network_bytes'] / 1e6:.1f} MB "
                   f"moved{'' if event['result'] == 'committed' else ': ' + event['reason']}",
                   flush=True)  # fmt: skip
+        elif event["event"] == "checkpoint":
+            print(f"== checkpoint at step {event['step']} to {event['path']} in "
+                  f"{event['seconds']:.2f} s", flush=True)  # fmt: skip
 
     return emit
 
@@ -391,6 +518,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--layout", help="the first layout (default dp=NPROCS)")
     parser.add_argument("--switch", action="append", default=[], metavar="STEP:LAYOUT",
                         help="switch to LAYOUT at step STEP (repeatable)")  # fmt: skip
+    parser.add_argument("--kill", action="append", default=[], metavar="STEP:RANK",
+                        help="the member at RANK kills its process as it begins step STEP "
+                             "(repeatable): the job recovers from surviving copies")  # fmt: skip
     parser.add_argument("--data", help="a file whose bytes are the training text")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--global-batch", type=int, default=TrainingSettings.global_batch)
@@ -432,6 +562,7 @@ def job_from_args(args: argparse.Namespace) -> LocalJob:
         budget=parse_bytes(args.budget), checksums=args.checksums,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         resume=args.resume, precision=args.precision,
+        kills=tuple(parse_kill(k) for k in args.kill),
     )  # fmt: skip
 
 

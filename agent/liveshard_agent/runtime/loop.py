@@ -1,5 +1,9 @@
 """A member's loop: train while in a world, switch and checkpoint when agreed, obey commands.
 
+When a step or what follows it at the boundary fails in a collective (torch raises RuntimeError:
+a peer died or timed out), the world is broken: the loop reports `("broken", ...)` and the member
+waits, state kept, for a recovery (see `Member.break_world`).
+
 The same loop runs under the local launcher (commands from the driver over a pipe) and in the
 agent's server (commands from gRPC calls): both feed an `Inbox` and take `report`ed events. A
 command that is refused (bad input, out of order) is reported as an `error` event naming it, and
@@ -99,14 +103,16 @@ def run_member(
     before_step: Callable[[Member], None] | None = None,
 ) -> None:
     """Run `member` until a `Stop` command. Reports `("step", ...)` after every step it trains,
-    `("switch", ...)` and `("checkpoint", ...)` as they happen, `("done", ...)` once when the job
-    has trained its last step, and `("error", ...)` for a refused command. `before_step` runs
-    before each step (a periodic checkpoint requested there is agreed in that very step)."""
+    `("switch", ...)` and `("checkpoint", ...)` as they happen, `("broken", ...)` when its world
+    breaks, `("done", ...)` once when the job has trained its last step, and `("error", ...)` for
+    a refused command. `before_step` runs before each step (a periodic checkpoint requested there
+    is agreed in that very step)."""
     stores = _Stores(member.timeouts.op)
     finished = False
     while True:
-        busy = member.training and not member.done
-        command = inbox.get(0 if busy or member.joining else None)
+        busy = member.training and not member.done and member.broken is None
+        waiting = member.joining or member.recovering
+        command = inbox.get(0 if busy or waiting else None)
         if isinstance(command, Stop):
             return
         if command is not None:
@@ -115,15 +121,15 @@ def run_member(
         if busy:
             if before_step is not None:
                 before_step(member)
-            layout, epoch = member.layout, member.epoch
-            assert layout is not None
-            record = member.train_step()
-            report("step", {"record": record, "speaks": member.speaks, "member": member.name,
-                            "layout": layout.describe(), "epoch": epoch})  # fmt: skip
-            for event in member.at_boundary():
-                kind = "switch" if isinstance(event, SwitchEvent) else "checkpoint"
-                report(kind, event.as_dict())
-        elif member.joining:
+            try:
+                _train_step(member, report)
+            except RuntimeError as err:  # torch's: a collective failed, the world is broken
+                breakage, dropped = member.break_world(err)
+                report("broken", {"member": member.name, "epoch": member.epoch,
+                                  **breakage.as_dict()})  # fmt: skip
+                for event in dropped:
+                    report("switch", event.as_dict())
+        elif waiting:
             switched = member.join()
             if switched is None:
                 time.sleep(_JOIN_POLL)
@@ -133,6 +139,17 @@ def run_member(
             member.abandon()
             report("done", {"step": member.step})
             finished = True
+
+
+def _train_step(member: Member, report: Report) -> None:
+    layout, epoch = member.layout, member.epoch
+    assert layout is not None
+    record = member.train_step()
+    report("step", {"record": record, "speaks": member.speaks, "member": member.name,
+                    "layout": layout.describe(), "epoch": epoch})  # fmt: skip
+    for event in member.at_boundary():
+        kind = "switch" if isinstance(event, SwitchEvent) else "checkpoint"
+        report(kind, event.as_dict())
 
 
 def _obey(member: Member, command: Command, stores: _Stores, report: Report) -> None:
@@ -145,7 +162,8 @@ def _obey(member: Member, command: Command, stores: _Stores, report: Report) -> 
                 member.restore(command.layout, command.restore, command.epoch)
         elif isinstance(command, Prepare):
             member.use_store(stores(command.store))
-            member.request(command.change)
+            for superseded in member.request(command.change):
+                report("switch", superseded.as_dict())
         elif isinstance(command, SwitchAt):
             member.set_switch_step(command.epoch, command.at_step)
         elif isinstance(command, Drop):

@@ -16,6 +16,17 @@ stand by. On abort (or when any member failed to prepare), everyone keeps the ol
 reason is reported. Checkpoints are agreed the same way (the same checkpoint number pending
 everywhere, its step reached), since saving one is a collective.
 
+A world breaks when one of its collectives fails (a member died without notice, or timed out):
+the member aborts its groups, so that members still waiting on it fail at once too, keeps its
+state (`Breakage` says at which step, and whether an update was cut in half), drops a pending
+change that needed the old world to agree, and waits for a recovery: a change naming the dead
+members `lost`, whose plan takes their bytes from surviving copies. As the old world cannot agree
+on anything any more, the survivors meet in the recovery's store instead: each publishes where
+its world broke, and the lowest-ranked survivor announces the switch at their common step, or an
+abort when their states differ (some took the step's update and some did not; an update was cut
+in half) and only a checkpoint can restore the job. A change with lost members supersedes a
+pending one, and never switches through the old world.
+
 The store a change's members meet in is the member's `store` when the change is requested; the
 caller sets it (`use_store`) for each epoch.
 """
@@ -34,7 +45,7 @@ from typing import Any
 import torch
 from torch.distributed import ReduceOp, Store
 
-from liveshard_core.errors import InvalidInput
+from liveshard_core.errors import InvalidInput, NoSurvivingCopy
 from liveshard_core.layout.layout import Layout
 from liveshard_core.vps.spec import ModelSpec
 
@@ -42,7 +53,7 @@ from ..engine.checksum import Checksums
 from ..engine.errors import Cause
 from ..engine.record import context_logger
 from ..engine.switch import Reconfiguration, SwitchHooks, SwitchResult, Timeouts
-from ..engine.world import Axis, World
+from ..engine.world import Axis, World, close_in_background
 from . import checkpoint, comm
 from .data import Dataset, load_corpus
 from .settings import TrainingSettings
@@ -82,8 +93,21 @@ class SwitchEvent:
     prepare_seconds: float  # request to prepared, on this member
     network_bytes: int
     report: bool
+    lost: list[str] = field(default_factory=list)  # old members that died, for a recovery
     checksums: dict[str, str] = field(default_factory=dict)  # before/after digests, if asked
     switch_seconds: dict[str, float] = field(default_factory=dict)  # the engine's parts, here
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Breakage:
+    """Where a member's world broke: the member keeps its state for a recovery."""
+
+    step: int  # the next step to train: the state holds every update before it
+    whole: bool  # False: the failure cut an update in half; only a checkpoint restores the job
+    reason: str
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -111,6 +135,7 @@ class _Pending:
     future: Future[None]
     requested: float
     prepared: float | None = None
+    published: bool = False  # a broken member told the recovery's store where its world broke
 
 
 @dataclass(frozen=True)
@@ -118,6 +143,25 @@ class _Checkpoint:
     number: int
     path: str
     at_step: int
+
+
+def recovery_decision(reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """What the first survivor of a broken world announces, from every survivor's report (its
+    scalars, and whether its state is whole), in rank order: the switch at their common step, or
+    an abort saying why there is none."""
+    cut = [m for m, r in reports.items() if not r["whole"]]
+    steps = {m: r["scalars"]["step"] for m, r in reports.items()}
+    if cut:
+        why = f"the world broke in the middle of an update at {cut}: their state is half-done"
+    elif len({json.dumps(r["scalars"], sort_keys=True) for r in reports.values()}) > 1:
+        why = f"the survivors stopped at different steps {steps}: some took the last update"
+    else:
+        first = next(iter(reports.values()))
+        return {"step": first["step"], "scalars": first["scalars"]}
+    return {
+        "abort": f"no common state in memory: {why}; restore from a checkpoint",
+        "cause": Cause.NO_COMMON_STATE.value,
+    }
 
 
 def _same(count: float, total: float, squares: float) -> bool:
@@ -157,6 +201,8 @@ class Member:
         self._announced: Scalars | None = None  # the scalars the switch's step was announced with
         self._agreement: tuple[float, ...] = ()  # the last step's summed readiness
         self._joining_since: float | None = None
+        self.broken: Breakage | None = None
+        self._broken_at = 0.0
         self.log = context_logger(log, job=job, epoch=self.epoch, member=name)
 
     # ---- state ----
@@ -178,6 +224,11 @@ class Member:
     @property
     def joining(self) -> bool:
         return self.trainer is None and self.pending is not None
+
+    @property
+    def recovering(self) -> bool:
+        """Whether this member's world broke and a recovery is pending."""
+        return self.broken is not None and self.pending is not None
 
     @property
     def layout(self) -> Layout | None:
@@ -215,8 +266,9 @@ class Member:
         self._train(state, world, scalars)
 
     def _world(self, layout: Layout, epoch: int) -> World:
-        if self.trainer is not None:
+        if self.trainer is not None and self.broken is None:
             raise InvalidInput(f"{self.name} already trains in epoch {self.epoch}")
+        self.trainer, self.broken = None, None  # a broken world's state: a new world replaces it
         self.settings.micro_batches(layout.dp)  # refuse a layout the global batch cannot fill
         self._set_epoch(epoch)
         return World.build(
@@ -271,6 +323,8 @@ class Member:
         pending = self.pending
         if pending is None or epochs < 0 or not _same(members, epochs, e2):
             return events  # not every member has the same change pending yet
+        if pending.change.lost:
+            return events  # a recovery: the old world will break, its survivors meet in the store
         epoch = pending.change.epoch
         if failed:
             events.append(self._give_up(f"{int(failed)} member(s) failed to prepare epoch {epoch}"))
@@ -283,7 +337,10 @@ class Member:
             scalars = trainer.scalars.as_dict()
             self._announce(epoch, {"step": trainer.scalars.step, "scalars": scalars})
         announcement = self._announcement(epoch)
-        assert announcement is not None and "scalars" in announcement
+        assert announcement is not None
+        if "abort" in announcement:  # announced first by a member that could not go on
+            events.append(self.drop(epoch, announcement["abort"]))
+            return events
         self._announced = Scalars.from_dict(announcement["scalars"])
         events.append(self._switch(boundary))
         return events
@@ -319,8 +376,21 @@ class Member:
 
     # ---- reconfiguration ----
 
-    def request(self, change: Change) -> None:
-        """Begin preparing `change` in the background (a member of either layout calls this)."""
+    def request(self, change: Change) -> list[SwitchEvent]:
+        """Begin preparing `change` in the background (a member of either layout calls this).
+        A change with lost members supersedes a pending change: the events of those dropped."""
+        broken = self.broken
+        if broken is not None and not change.lost:
+            raise InvalidInput(
+                f"{self.name}: the world broke at step {broken.step} ({broken.reason}); only a "
+                "recovery (a change with lost members) can follow"
+            )
+        superseded = []
+        pending = self.pending
+        if pending is not None and change.lost and change.epoch > pending.change.epoch:
+            superseded.append(
+                self.drop(pending.change.epoch, f"superseded by the recovery epoch {change.epoch}")
+            )
         if self.pending is not None:
             raise InvalidInput(
                 f"{self.name}: epoch {self.pending.change.epoch} is still pending; "
@@ -348,6 +418,7 @@ class Member:
         self.pending.future.add_done_callback(self._mark_prepared)
         self._announced = None
         self._joining_since = None
+        return superseded
 
     def set_switch_step(self, epoch: int, at_step: int) -> None:
         """Let the pending change `epoch` switch at the first boundary at or after `at_step`."""
@@ -362,7 +433,7 @@ class Member:
         pending = self._pending_epoch(epoch)
         self.pending = None
         pending.reconfig.abort()
-        if self.speaks:
+        if self.speaks or self.broken is not None:
             self._announce(epoch, {"abort": reason})
         return self._event(pending, "aborted", cause, reason, 0.0, self.speaks, {})
 
@@ -392,20 +463,30 @@ class Member:
                 )
 
     def join(self) -> SwitchEvent | None:
-        """Called repeatedly by a member that is not in the old world: switch with the others
-        once the step is announced; None while it is not (yet). A joining member waits at most
-        the prepare deadline after its own prepare ended."""
+        """Called repeatedly by a member that is not in the old world, or whose world broke:
+        switch with the others once the step is announced; None while it is not (yet). A joining
+        member waits at most the prepare deadline after its own prepare ended."""
         pending = self.pending
-        assert pending is not None and self.trainer is None
+        assert pending is not None and (self.trainer is None or self.broken is not None)
         if not pending.future.done():
             return None
         start = time.perf_counter()
         if pending.future.exception() is not None:
-            # The old world's members see the failure too and drop the change.
+            # The old world's members see the failure too and drop the change; in a recovery,
+            # the announcement tells the others.
             error = pending.future.exception()
             self.pending = None
             cause = getattr(error, "cause", None)
-            return self._event(pending, "aborted", cause, f"prepare failed: {error}", 0, False, {})
+            if isinstance(error, NoSurvivingCopy):
+                cause = Cause.NO_SURVIVING_COPY
+            reason = f"prepare failed: {error}"
+            if self.broken is not None:
+                said = {"abort": f"{self.name}: {reason}", "cause": (cause or Cause.VOTE_NO).value}
+                self._announce(pending.change.epoch, said)
+            return self._event(pending, "aborted", cause, reason, 0, False, {})
+        if self.broken is not None:
+            self._publish_breakage(pending)
+            self._decide_recovery(pending.change)
         announcement = self._announcement(pending.change.epoch, wait=False)
         if announcement is None:
             self._joining_since = self._joining_since or start
@@ -413,12 +494,66 @@ class Member:
                 return None
             announcement = {"abort": f"no switch was announced within {self.timeouts.prepare} s"}
         if "abort" in announcement:
-            return self.drop(pending.change.epoch, announcement["abort"])
+            cause = Cause(announcement.get("cause", Cause.VOTE_NO.value))
+            return self.drop(pending.change.epoch, announcement["abort"], cause)
         self._announced = Scalars.from_dict(announcement["scalars"])
-        return self._switch(start)
+        return self._switch(self._broken_at if self.broken is not None else start)
 
     def _announce(self, epoch: int, content: dict[str, Any]) -> None:
-        self.store.set(f"liveshard/{epoch}/announce", json.dumps(content))
+        """Announce a switch or an abort; the first announcement of an epoch stands, so every
+        member reads the same one."""
+        self.store.compare_set(f"liveshard/{epoch}/announce", "", json.dumps(content))
+
+    # ---- recovery from a broken world ----
+
+    def break_world(self, error: BaseException) -> tuple[Breakage, list[SwitchEvent]]:
+        """The world failed under this member (a collective raised: a peer died or timed out).
+        Close its groups, so that members still waiting on them fail at once too; keep the state
+        for a recovery; drop a pending change that needed the old world to agree."""
+        trainer = self.trainer
+        assert trainer is not None, f"{self.name} is standing by"
+        reason = f"{type(error).__name__}: {error}".split("\n")[0]
+        self.broken = Breakage(trainer.scalars.step, trainer.whole, reason)
+        self._broken_at = time.perf_counter()
+        self.log.warning("the world broke at step %s (%s): %s", self.broken.step,
+                         "state whole" if self.broken.whole else "update cut", reason)  # fmt: skip
+        # Destroying a gloo group closes its connections (aborting it does not): the members
+        # waiting on this one fail now, not at their collective's timeout.
+        groups = list(trainer.world.groups.values())
+        trainer.world.groups.clear()
+        close_in_background(groups)
+        pending = self.pending
+        if pending is None or pending.change.lost:
+            return self.broken, []
+        dropped = self.drop(pending.change.epoch, f"the world broke: {reason}", Cause.PEER_FAILED)
+        return self.broken, [dropped]
+
+    def _publish_breakage(self, pending: _Pending) -> None:
+        if pending.published or self.broken is None or self.trainer is None:
+            return
+        report = {"scalars": self.trainer.scalars.as_dict(), **self.broken.as_dict()}
+        self.store.set(f"liveshard/{pending.change.epoch}/broken/{self.name}", json.dumps(report))
+        pending.published = True
+
+    def _decide_recovery(self, change: Change) -> None:
+        """The lowest-ranked survivor announces the recovery once every survivor has said where
+        its world broke: a switch at their common step when every state is whole and at the same
+        step, else an abort saying why (then only a checkpoint restores the job)."""
+        survivors = [m for m in change.old.members if m not in change.lost]
+        if self.name != survivors[0]:
+            return
+        keys = {m: f"liveshard/{change.epoch}/broken/{m}" for m in survivors}
+        if not self.store.check(list(keys.values())):
+            if time.perf_counter() - self._broken_at < self.timeouts.prepare:
+                return
+            missing = [m for m, key in keys.items() if not self.store.check([key])]
+            self._announce(change.epoch, {
+                "abort": f"survivors {missing} did not say where their world broke within "
+                         f"{self.timeouts.prepare} s", "cause": Cause.DEADLINE_PASSED.value,
+            })  # fmt: skip
+            return
+        reports = {m: json.loads(self.store.get(key)) for m, key in keys.items()}
+        self._announce(change.epoch, recovery_decision(reports))
 
     def _announcement(self, epoch: int, wait: bool = True) -> dict[str, Any] | None:
         key = f"liveshard/{epoch}/announce"
@@ -439,7 +574,7 @@ class Member:
         assert pending is not None
         change = pending.change
         digests: dict[str, str] = {}
-        if self.checksums and trainer is not None:
+        if self.checksums and trainer is not None and self.broken is None:
             digests["before"] = self._checksum_digest(trainer.state, trainer.world)
         old_state = trainer.state if trainer is not None else None
         result: SwitchResult = pending.reconfig.switch(old_state)
@@ -447,12 +582,14 @@ class Member:
         if not result.committed:
             assert trainer is not None and result.state is not None
             trainer.bind(result.state, trainer.world)  # the same state, kept as it was
-            pause = self._max_over_world(time.perf_counter() - boundary)
+            elapsed = time.perf_counter() - boundary
+            pause = elapsed if self.broken is not None else self._max_over_world(elapsed)
             return self._event(
                 pending, "aborted", result.cause, result.reason, pause, self.speaks, digests,
                 result,
             )  # fmt: skip
         self._set_epoch(change.epoch)
+        self.broken = None
         if result.state is None or result.world is None:  # this member left
             self.trainer = None
             return self._event(
@@ -511,6 +648,7 @@ class Member:
             prepare_seconds=round(prepared - pending.requested, 6),
             network_bytes=pending.reconfig.network_bytes,
             report=report,
+            lost=sorted(change.lost),
             checksums=digests,
             switch_seconds={k: round(v, 6) for k, v in seconds.items()},
         )

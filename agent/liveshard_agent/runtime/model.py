@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from liveshard_core.vps.spec import ModelSpec
 
+from ..engine.backend import Group
 from ..engine.world import Axis
 from . import comm, rng
 from .data import Batch
@@ -72,8 +73,12 @@ class StageModel:
         self.first, self.last = pp_i == 0, pp_i == layout.pp - 1
         start = sum(layout.pp_layers[:pp_i])
         self.layers = range(start, start + layout.pp_layers[pp_i])
-        self.tp = weights.world.group(Axis.TP)
         self.dropout_key = rng.key("dropout", settings.seed)
+
+    @property
+    def tp(self) -> Group:
+        """Looked up at each use: a broken world's groups are dropped to close them."""
+        return self.weights.world.group(Axis.TP)
 
     @cached_property
     def rope(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,6 +9,11 @@ element is counted once across all axes. Adam then updates this rank's shard of 
 (the master copy, or the fp32 parameter itself when the model has no master), and the parameter
 rows of the shards are shared with the replicas (ZeRO-1) or left sharded for the next gather
 (ZeRO-3). Losses are normalised by the global token count, so gradients are sums, never dp means.
+
+The global norm's all-reduce also carries the step's other sums (`totals`: the loss, the members'
+agreement), so it is the step's last collective before the state changes: a step that fails
+before it completes leaves the state as it was (`updating` stays False); one that fails after it
+(in ZeRO-1/2's parameter sync) leaves the state half-updated (`updating` stays True).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from .weights import Weight, Weights, box_view
 class UpdateStats:
     grad_norm: float
     lr: float
+    totals: tuple[float, ...]  # the step's `totals`, summed over the world
 
 
 class Optimizer:
@@ -38,11 +44,13 @@ class Optimizer:
         self.weights = weights
         self.settings = settings
         self.has_master = StateKind.MASTER in weights.spec.kinds
+        self.updating = False  # between the first write to the state and the update's end
 
     @torch.no_grad()
-    def step(self, step: int, adam_step: int) -> UpdateStats:
+    def step(self, step: int, adam_step: int, totals: tuple[float, ...] = ()) -> UpdateStats:
         """Apply one update with learning rate `settings.learning_rate(step)`; `adam_step` is the
-        number of this update (1 for the first), for Adam's bias correction."""
+        number of this update (1 for the first), for Adam's bias correction. `totals` are summed
+        over the world in the global norm's all-reduce."""
         weights, world = self.weights, self.weights.world
         for w in weights.all():
             for t in w.tensors:
@@ -62,7 +70,8 @@ class Optimizer:
                 for t in w.tensors:
                     grads[w.name].append(flat[offset : offset + t.numel()].view(t.shape))
                     offset += t.numel()
-        norm = self._global_norm(grads)
+        norm, summed = self._global_norm(grads, totals)
+        self.updating = True
         scale = min(1.0, self.settings.clip_norm / (norm + 1e-6))
         lr = self.settings.learning_rate(step)
         for w in weights.all():
@@ -71,16 +80,23 @@ class Optimizer:
                 t.grad = None
         if weights.layout.zero in (1, 2):
             weights.sync_from_shards()
-        return UpdateStats(norm, lr)
+        self.updating = False
+        return UpdateStats(norm, lr, summed)
 
-    def _global_norm(self, grads: dict[str, list[torch.Tensor]]) -> float:
-        total = torch.zeros(1, dtype=torch.float64, device=self.weights.state.device)
+    def _global_norm(
+        self, grads: dict[str, list[torch.Tensor]], totals: tuple[float, ...]
+    ) -> tuple[float, tuple[float, ...]]:
+        """The global gradient norm, and `totals` summed over the world, in one all-reduce."""
+        device = self.weights.state.device
+        squares = torch.zeros(1, dtype=torch.float64, device=device)
         for w in self.weights.all():
             for shard, counted in zip(w.shards, w.counted, strict=True):
                 if counted:
-                    total += box_view(w.boxes, grads[w.name], shard).double().square().sum()
-        comm.all_reduce(total, self.weights.world.group(Axis.WORLD))
-        return math.sqrt(float(total))
+                    squares += box_view(w.boxes, grads[w.name], shard).double().square().sum()
+        values = torch.cat([squares, torch.tensor(totals, dtype=torch.float64, device=device)])
+        comm.all_reduce(values, self.weights.world.group(Axis.WORLD))
+        summed = values.tolist()
+        return math.sqrt(summed[0]), tuple(summed[1:])
 
     def _adam(
         self, w: Weight, grads: list[torch.Tensor], scale: float, lr: float, adam_step: int

@@ -18,7 +18,6 @@ import torch
 from torch.distributed import Work
 
 from ..engine.world import Axis
-from . import comm
 from .data import Dataset
 from .model import StageModel
 from .optimizer import Optimizer, UpdateStats
@@ -44,9 +43,9 @@ def train_step(
     agreement: tuple[float, ...] = (),
 ) -> StepStats:
     """Train `step` on the global batch of samples `first_sample ..`; `adam_step` numbers the
-    update (1 for the first). `agreement` values are summed over the world in the step's last
-    all-reduce (the loss's), so that members can agree on something at every step boundary
-    without a collective of its own."""
+    update (1 for the first). `agreement` values are summed over the world in the update's
+    all-reduce (the global norm's, which also sums the loss), so that members can agree on
+    something at every step boundary without a collective of its own."""
     weights, settings = model.weights, model.settings
     layout, world = weights.layout, weights.world
     pp_i, dp_i, tp_i = layout.coords(weights.rank)
@@ -102,17 +101,14 @@ def train_step(
             sends.append(pp.send([hidden.grad.contiguous()], pp_i - 1, micro + m))
     for work in sends:
         work.wait()
-    update = optimizer.step(step, adam_step)
     # The loss lives on the last stage, the auxiliary loss on every stage; tp ranks hold copies.
-    totals = torch.tensor(
-        [ce_sum if model.last and tp_i == 0 else 0.0, aux_sum if tp_i == 0 else 0.0, *agreement],
-        dtype=torch.float64,
-    )
-    comm.all_reduce(totals, world.group(Axis.WORLD))
+    # They are summed in the update's one all-reduce over the world, with the agreement values.
+    totals = (ce_sum if model.last and tp_i == 0 else 0.0, aux_sum if tp_i == 0 else 0.0)
+    update = optimizer.step(step, adam_step, (*totals, *agreement))
     return StepStats(
-        loss=float(totals[0]) / tokens,
-        aux_loss=float(totals[1]) / total_micro,
+        loss=update.totals[0] / tokens,
+        aux_loss=update.totals[1] / total_micro,
         update=update,
         samples=tuple(fed),
-        agreement=tuple(totals[2:].tolist()),
+        agreement=update.totals[2:],
     )

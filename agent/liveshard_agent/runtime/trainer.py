@@ -129,6 +129,12 @@ class Trainer:
     def layout(self) -> Layout:
         return self.state.layout
 
+    @property
+    def whole(self) -> bool:
+        """Whether the state holds every update before `scalars.step` and nothing of the next
+        (False only after a step failed in the middle of its update)."""
+        return not self.optimizer.updating
+
     def step(self, agreement: tuple[float, ...] = ()) -> StepRecord:
         """Train step `scalars.step` and advance the scalars; `agreement` values come back summed
         over the world (see `pipeline.train_step`)."""

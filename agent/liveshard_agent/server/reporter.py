@@ -51,7 +51,8 @@ def observe(
     layout = member.layout if member.training else layout_of(member.epoch)
     trainer = member.trainer
     return Observed(
-        training=member.training, joining=member.joining, done=member.done, epoch=member.epoch,
+        training=member.training, joining=member.joining, broken=member.broken is not None,
+        done=member.done, epoch=member.epoch,
         step=member.step if member.training else before.step,
         samples=trainer.scalars.samples if trainer is not None else before.samples,
         layout=layout,
@@ -96,6 +97,9 @@ class Reporter:
             )
             self.log.info("checkpoint %s saved at step %s to %s", event["number"],
                           event["step"], event["path"])  # fmt: skip
+        elif kind == "broken":
+            update["message"] = f"the world broke at step {event['step']}: {event['reason']}"
+            self.log.warning("%s; waiting for a recovery", update["message"])
         elif kind == "done":
             self.log.info("the job trained its last step (%s)", event["step"])
         elif kind == "error":

@@ -26,7 +26,7 @@ from liveshard_core.layout.layout import Layout
 
 from ..engine.record import ContextLogger, context_logger
 from ..engine.world import StoreAddress
-from ..runtime.loop import CheckpointAt, Drop, Start, Stop, SwitchAt
+from ..runtime.loop import CheckpointAt, Drop, Prepare, Start, Stop, SwitchAt
 from . import requests
 from .config import Deadlines
 from .errors import NotNow, Refused
@@ -135,7 +135,9 @@ class AgentService:
         with self._lock:
             snapshot = self._serving()
             pending = snapshot.pending
-            if pending is not None:
+            # A recovery (a change with lost members) supersedes what is pending here.
+            recovery = isinstance(order.command, Prepare) and bool(order.command.change.lost)
+            if pending is not None and not (recovery and order.epoch > pending.epoch):
                 if pending.epoch == order.epoch and self.accepted.get(order.epoch) == request:
                     return pb.PrepareResponse()  # a replay of the request in progress
                 raise Refused(
@@ -149,13 +151,18 @@ class AgentService:
                 )
             _after_in_effect(order.epoch, snapshot)
             seen = snapshot.observed
+            if seen.broken and not recovery and order.old is not None:
+                raise Refused(
+                    f"{snapshot.message}; only a recovery (a Prepare naming the dead members "
+                    "`lost`) or a new first world (no `from`, restoring a checkpoint) can follow"
+                )
             if seen.done:
                 raise Refused(f"the job has trained its last step ({snapshot.steps})")
             if snapshot.terminating and self.job.member in order.new.ranks:
                 raise Refused(
                     "terminating: this agent received SIGTERM and cannot be a member of `to`"
                 )
-            if order.old is None and seen.training:
+            if order.old is None and seen.training and not seen.broken:
                 raise Refused(
                     f"this agent trains in epoch {seen.epoch}; a first world (no `from`) is "
                     "made of standing-by agents"
@@ -236,7 +243,7 @@ class AgentService:
         with self._lock:
             snapshot = self._serving()
             seen = snapshot.observed
-            if not seen.training or seen.done:
+            if not seen.training or seen.done or seen.broken:
                 raise Refused(
                     f"this agent is {snapshot.phase.name}: only members of the world in effect "
                     "save a checkpoint"

@@ -26,6 +26,7 @@ class Phase(Enum):
     TRAINING = pb.AgentStatus.TRAINING
     DONE = pb.AgentStatus.DONE
     FAILED = pb.AgentStatus.FAILED
+    BROKEN = pb.AgentStatus.BROKEN
 
 
 class PendingState(Enum):
@@ -48,6 +49,7 @@ class Observed:
 
     training: bool = False
     joining: bool = False
+    broken: bool = False  # its world broke; it waits for a recovery
     done: bool = False
     epoch: int = -1  # the latest epoch it knows in effect (-1: none yet)
     step: int = 0  # the next step to train (kept after it leaves a world)
@@ -124,6 +126,8 @@ class Snapshot:
             return Phase.FAILED
         if self.observed.done:
             return Phase.DONE
+        if self.observed.broken:
+            return Phase.BROKEN
         if self.observed.training:
             return Phase.TRAINING
         if self.observed.joining or self.claimed(ClaimKind.START, ClaimKind.CHANGE):

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from ..errors import InvalidInput
+from ..errors import InvalidInput, NoSurvivingCopy
 from ..layout.layout import Layout
 from ..layout.region import Placed
 from ..vps.box import volume
@@ -208,7 +208,7 @@ def lost_tensor(spec: ModelSpec, cls: TensorClass, lost: frozenset[str]) -> Iter
         yield
     except LostPiece as err:
         name = spec.tensor_name(cls.tensor(0))
-        raise InvalidInput(
+        raise NoSurvivingCopy(
             f"no surviving copy of {name} {list(err.box)} (and of every tensor placed "
             f"like it): every member that held it is lost ({sorted(lost)}); "
             "restore from a checkpoint"

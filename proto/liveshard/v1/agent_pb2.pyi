@@ -143,6 +143,7 @@ class AgentStatus(_message.Message):
         TRAINING: _ClassVar[AgentStatus.Phase]
         DONE: _ClassVar[AgentStatus.Phase]
         FAILED: _ClassVar[AgentStatus.Phase]
+        BROKEN: _ClassVar[AgentStatus.Phase]
     PHASE_UNSPECIFIED: AgentStatus.Phase
     STARTING: AgentStatus.Phase
     STANDBY: AgentStatus.Phase
@@ -150,6 +151,7 @@ class AgentStatus(_message.Message):
     TRAINING: AgentStatus.Phase
     DONE: AgentStatus.Phase
     FAILED: AgentStatus.Phase
+    BROKEN: AgentStatus.Phase
     MEMBER_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]

@@ -3,7 +3,7 @@
 `test_a_job_grows_shrinks_aborts_checkpoints_and_drains` starts 4 agent processes (a0..a3) and
 drives one job through: a first world of 2 members, a grow to 4 (2 standing-by agents join), a
 shrink to 2 members with tp=2 (2 leave), an aborted reconfiguration, a checkpoint, the drain of a
-member that received SIGTERM, and a member killed outright; releases end the agents.
+member that received SIGTERM, and a member killed outright, recovered from; releases end the agents.
 `test_a_one_member_job_trains_to_its_end` starts 1 agent process: a job of a few steps.
 """
 
@@ -199,15 +199,23 @@ def test_a_job_grows_shrinks_aborts_checkpoints_and_drains(
     assert len(seen) > 10
     assert seen == sorted(seen), seen
 
-    # A member that dies without warning breaks the world: the survivor reports FAILED and why,
-    # refuses work, keeps serving its status, and exits (status 1) once released.
+    # A member that dies without warning breaks the world: the survivor reports BROKEN and why,
+    # keeps its state, refuses anything but a recovery, and recovers from its own copy, alone.
     a1.signal(signal.SIGKILL)
-    status = a0.wait_for("failed", lambda s: s.phase == Phase.FAILED)
-    assert status.message and status.ready
+    status = a0.wait_for("broken", lambda s: s.phase == Phase.BROKEN)
+    assert "the world broke at step" in status.message and status.ready
+    stopped = status.step
     err = a0.refused("Checkpoint", pb.CheckpointRequest(number=2, path=path))
-    assert err.code() == Code.FAILED_PRECONDITION and "failed" in str(err.details())
-    a0.call("Release", pb.ReleaseRequest())
-    assert a0.wait_exit() == 1
+    assert err.code() == Code.FAILED_PRECONDITION and "BROKEN" in str(err.details())
+    alone = layout(["a0"], dp=1)
+    recovery = change(5, host_store(a0, 5), drained, alone)
+    err = a0.refused("Prepare", recovery)
+    assert err.code() == Code.FAILED_PRECONDITION and "only a recovery" in str(err.details())
+    recovery.lost.append("a1")
+    prepare([a0], recovery)
+    (status,) = switched([a0], 5)
+    assert status.last_switch.step == stopped and status.last_switch.network_bytes == 0
+    assert trains(a0, stopped).layout == alone
 
 
 def test_a_one_member_job_trains_to_its_end(tmp_path: Path) -> None:
