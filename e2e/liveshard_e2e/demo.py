@@ -1,8 +1,9 @@
 """The README's main demo: liveshard on the local cluster, told as it happens.
 
 It brings up the local cluster, installs the chart with helm (the operator), applies the example
-`tiny` job, scales it 4 -> 2 -> 3 with `kubectl scale`, drains the node of one worker, and prints
-as it goes each reconfiguration's reason, layouts, pause and bytes, and the loss going on.
+`tiny` job, scales it 4 -> 2 -> 3 with `kubectl scale`, drains the node of one worker, kills a
+worker without notice, and prints as it goes each reconfiguration's reason, layouts, pause and
+bytes, and the loss going on.
 
     python -m liveshard_e2e.demo [--keep]
 """
@@ -123,6 +124,13 @@ def run(keep: bool) -> None:
         narrator.say(f"{node} drained; the job trains on")
         kube.run("kubectl", "uncordon", node)
         narrator.wait(_running(3, epoch), "the job back on 3 members", STARTUP)
+        epoch = narrator.status()["epoch"]
+        time.sleep(10)
+        victim = narrator.status()["members"][1]
+        narrator.say(f"kubectl delete pod {victim} --grace-period=0 --force  (a worker dies "
+                     "without notice, its memory with it)")  # fmt: skip
+        kube.kubectl("delete", "pod", victim, "--grace-period=0", "--force")
+        narrator.wait(_running(3, epoch + 1), "the job recovered and back on 3 members", STARTUP)
         time.sleep(10)
         final = narrator.status()
         narrator.stop.set()

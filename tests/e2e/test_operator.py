@@ -190,8 +190,9 @@ def test_drain_moves_a_worker_out_before_it_is_killed(operator: Kube) -> None:
 
 def test_a_worker_killed_without_notice_is_recovered_from_its_replicas(operator: Kube) -> None:
     kube = operator
-    # Without ZeRO every data-parallel replica holds the whole state: the dead one's is in memory.
-    kube.apply(job(3, parallelism={"zero": 0}))
+    # Without ZeRO (the example's) every data-parallel replica holds the whole state: the dead
+    # one's is in memory.
+    kube.apply(job(3))
     steps = Steps(kube)
     start = steps.wait(
         lambda s: training(3)(s) and s.get("step", 0) >= 2, "training with 3", STARTUP
@@ -222,7 +223,7 @@ def test_a_worker_killed_without_notice_is_recovered_from_its_replicas(operator:
 
 def test_a_hung_worker_is_taken_out_once_the_others_world_breaks(operator: Kube) -> None:
     kube = operator
-    kube.apply(job(3, parallelism={"zero": 0}))
+    kube.apply(job(3))
     steps = Steps(kube)
     start = steps.wait(
         lambda s: training(3)(s) and s.get("step", 0) >= 2, "training with 3", STARTUP
@@ -252,7 +253,7 @@ def test_a_worker_lost_with_the_only_copy_of_its_state_restores_the_last_checkpo
     kube = operator
     # ZeRO-1 on 2 members: each holds the only copy of half the optimizer state.
     saved = tmp_path / "checkpoints"
-    kube.apply(job(2, checkpoint={"path": str(saved), "everySteps": 3}))
+    kube.apply(job(2, parallelism={"zero": 1}, checkpoint={"path": str(saved), "everySteps": 3}))
     steps = Steps(kube)
     start = steps.wait(training(2), "training with 2", STARTUP)
     written = wait_until(lambda: list(saved.glob("step-*/liveshard.json")), 120, "a checkpoint")

@@ -108,6 +108,7 @@ class Breakage:
     step: int  # the next step to train: the state holds every update before it
     whole: bool  # False: the failure cut an update in half; only a checkpoint restores the job
     reason: str
+    unfinished: bool = False  # step `step`'s update can be completed with the others' sums
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -147,17 +148,27 @@ class _Checkpoint:
 
 def recovery_decision(reports: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """What the first survivor of a broken world announces, from every survivor's report (its
-    scalars, and whether its state is whole), in rank order: the switch at their common step, or
-    an abort saying why there is none."""
+    scalars, whether its state is whole, whether it can finish its step's update alone, and the
+    values its last update summed): the switch at the survivors' last step, with the values that
+    let those one update behind finish it (a peer died inside the update's all-reduce, which
+    completed at some members only), or an abort saying why there is no common state."""
     cut = [m for m, r in reports.items() if not r["whole"]]
     steps = {m: r["scalars"]["step"] for m, r in reports.items()}
+    last = max(steps.values())
+    ahead = [r for r in reports.values() if r["scalars"]["step"] == last]
+    behind = [m for m, step in steps.items() if step != last]
+    stuck = [m for m in behind if steps[m] != last - 1 or not reports[m]["unfinished"]]
     if cut:
         why = f"the world broke in the middle of an update at {cut}: their state is half-done"
-    elif len({json.dumps(r["scalars"], sort_keys=True) for r in reports.values()}) > 1:
-        why = f"the survivors stopped at different steps {steps}: some took the last update"
+    elif stuck or (behind and not ahead[0]["summed"]):
+        why = f"the survivors stopped at steps {steps}, and {stuck or behind} cannot catch up"
+    elif len({json.dumps(r["scalars"], sort_keys=True) for r in ahead}) > 1:
+        why = f"the survivors at step {last} disagree on the training scalars"
     else:
-        first = next(iter(reports.values()))
-        return {"step": first["step"], "scalars": first["scalars"]}
+        announcement = {"step": last, "scalars": ahead[0]["scalars"]}
+        if behind:
+            announcement["finish"] = ahead[0]["summed"]
+        return announcement
     return {
         "abort": f"no common state in memory: {why}; restore from a checkpoint",
         "cause": Cause.NO_COMMON_STATE.value,
@@ -497,6 +508,11 @@ class Member:
             cause = Cause(announcement.get("cause", Cause.VOTE_NO.value))
             return self.drop(pending.change.epoch, announcement["abort"], cause)
         self._announced = Scalars.from_dict(announcement["scalars"])
+        trainer = self.trainer
+        if trainer is not None and trainer.scalars.step < self._announced.step:
+            self.log.info("one update behind the other survivors: finishing step %s with their "
+                          "sums", trainer.scalars.step)  # fmt: skip
+            trainer.finish_step(tuple(announcement["finish"]))
         return self._switch(self._broken_at if self.broken is not None else start)
 
     def _announce(self, epoch: int, content: dict[str, Any]) -> None:
@@ -513,7 +529,9 @@ class Member:
         trainer = self.trainer
         assert trainer is not None, f"{self.name} is standing by"
         reason = f"{type(error).__name__}: {error}".split("\n")[0]
-        self.broken = Breakage(trainer.scalars.step, trainer.whole, reason)
+        self.broken = Breakage(
+            trainer.scalars.step, trainer.whole, reason, trainer.optimizer.can_finish
+        )
         self._broken_at = time.perf_counter()
         self.log.warning("the world broke at step %s (%s): %s", self.broken.step,
                          "state whole" if self.broken.whole else "update cut", reason)  # fmt: skip
@@ -531,7 +549,8 @@ class Member:
     def _publish_breakage(self, pending: _Pending) -> None:
         if pending.published or self.broken is None or self.trainer is None:
             return
-        report = {"scalars": self.trainer.scalars.as_dict(), **self.broken.as_dict()}
+        report = {"scalars": self.trainer.scalars.as_dict(), **self.broken.as_dict(),
+                  "summed": list(self.trainer.optimizer.summed)}  # fmt: skip
         self.store.set(f"liveshard/{pending.change.epoch}/broken/{self.name}", json.dumps(report))
         pending.published = True
 
@@ -581,7 +600,8 @@ class Member:
         self.pending = None
         if not result.committed:
             assert trainer is not None and result.state is not None
-            trainer.bind(result.state, trainer.world)  # the same state, kept as it was
+            if self.broken is None or result.state is not trainer.state:
+                trainer.bind(result.state, trainer.world)  # the same state, kept as it was
             elapsed = time.perf_counter() - boundary
             pause = elapsed if self.broken is not None else self._max_over_world(elapsed)
             return self._event(

@@ -13,7 +13,10 @@ rows of the shards are shared with the replicas (ZeRO-1) or left sharded for the
 The global norm's all-reduce also carries the step's other sums (`totals`: the loss, the members'
 agreement), so it is the step's last collective before the state changes: a step that fails
 before it completes leaves the state as it was (`updating` stays False); one that fails after it
-(in ZeRO-1/2's parameter sync) leaves the state half-updated (`updating` stays True).
+(in ZeRO-1/2's parameter sync) leaves the state half-updated (`updating` stays True). A member
+whose all-reduce failed while others' completed (a peer died inside it) keeps its reduced
+gradients (`unfinished`), and can complete the same update alone (`finish`) with the values the
+others summed.
 """
 
 from __future__ import annotations
@@ -39,12 +42,29 @@ class UpdateStats:
     totals: tuple[float, ...]  # the step's `totals`, summed over the world
 
 
+@dataclass(frozen=True)
+class _Unfinished:
+    """An update whose gradients are reduced but whose all-reduce did not complete here."""
+
+    grads: dict[str, list[torch.Tensor]]
+    step: int
+    adam_step: int
+
+
 class Optimizer:
     def __init__(self, weights: Weights, settings: TrainingSettings) -> None:
         self.weights = weights
         self.settings = settings
         self.has_master = StateKind.MASTER in weights.spec.kinds
         self.updating = False  # between the first write to the state and the update's end
+        self.unfinished: _Unfinished | None = None  # an update cut in its all-reduce
+        self.summed: tuple[float, ...] = ()  # the last update's all-reduced values
+
+    @property
+    def can_finish(self) -> bool:
+        """Whether an update cut in its all-reduce can be completed alone (`finish`): no
+        collective follows the all-reduce (ZeRO-1/2 share the updated rows after it)."""
+        return self.unfinished is not None and self.weights.layout.zero not in (1, 2)
 
     @torch.no_grad()
     def step(self, step: int, adam_step: int, totals: tuple[float, ...] = ()) -> UpdateStats:
@@ -70,33 +90,52 @@ class Optimizer:
                 for t in w.tensors:
                     grads[w.name].append(flat[offset : offset + t.numel()].view(t.shape))
                     offset += t.numel()
-        norm, summed = self._global_norm(grads, totals)
+        for w in weights.all():
+            for t in w.tensors:
+                t.grad = None
+        values = self._norm_squares(grads, totals)
+        self.unfinished = _Unfinished(grads, step, adam_step)
+        comm.all_reduce(values, world.group(Axis.WORLD))
+        self.unfinished = None
+        return self._apply(grads, tuple(values.tolist()), step, adam_step)
+
+    def finish(self, summed: tuple[float, ...]) -> UpdateStats:
+        """Complete the update cut in its all-reduce with the values the others summed (the
+        members that completed it publish them): the state becomes theirs, bit for bit."""
+        unfinished = self.unfinished
+        if unfinished is None or not self.can_finish:
+            raise RuntimeError("no update to finish here")
+        self.unfinished = None
+        return self._apply(unfinished.grads, summed, unfinished.step, unfinished.adam_step)
+
+    def _apply(
+        self, grads: dict[str, list[torch.Tensor]], summed: tuple[float, ...], step: int,
+        adam_step: int,
+    ) -> UpdateStats:  # fmt: skip
+        self.summed = summed
+        norm = math.sqrt(summed[0])
         self.updating = True
         scale = min(1.0, self.settings.clip_norm / (norm + 1e-6))
         lr = self.settings.learning_rate(step)
-        for w in weights.all():
+        for w in self.weights.all():
             self._adam(w, grads[w.name], scale, lr, adam_step)
-            for t in w.tensors:
-                t.grad = None
-        if weights.layout.zero in (1, 2):
-            weights.sync_from_shards()
+        if self.weights.layout.zero in (1, 2):
+            self.weights.sync_from_shards()
         self.updating = False
-        return UpdateStats(norm, lr, summed)
+        return UpdateStats(norm, lr, summed[1:])
 
-    def _global_norm(
+    def _norm_squares(
         self, grads: dict[str, list[torch.Tensor]], totals: tuple[float, ...]
-    ) -> tuple[float, tuple[float, ...]]:
-        """The global gradient norm, and `totals` summed over the world, in one all-reduce."""
+    ) -> torch.Tensor:
+        """This rank's part of the squared global gradient norm, then `totals`: what the
+        update's one all-reduce sums."""
         device = self.weights.state.device
         squares = torch.zeros(1, dtype=torch.float64, device=device)
         for w in self.weights.all():
             for shard, counted in zip(w.shards, w.counted, strict=True):
                 if counted:
                     squares += box_view(w.boxes, grads[w.name], shard).double().square().sum()
-        values = torch.cat([squares, torch.tensor(totals, dtype=torch.float64, device=device)])
-        comm.all_reduce(values, self.weights.world.group(Axis.WORLD))
-        summed = values.tolist()
-        return math.sqrt(summed[0]), tuple(summed[1:])
+        return torch.cat([squares, torch.tensor(totals, dtype=torch.float64, device=device)])
 
     def _adam(
         self, w: Weight, grads: list[torch.Tensor], scale: float, lr: float, adam_step: int

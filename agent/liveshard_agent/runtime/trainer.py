@@ -135,6 +135,12 @@ class Trainer:
         (False only after a step failed in the middle of its update)."""
         return not self.optimizer.updating
 
+    def finish_step(self, summed: tuple[float, ...]) -> None:
+        """Complete the step whose update was cut in its all-reduce, with the values the members
+        that completed it summed (`Optimizer.finish`); the scalars advance as theirs did."""
+        self.optimizer.finish(summed)
+        self.scalars = self.scalars.advanced(self.settings.global_batch)
+
     def step(self, agreement: tuple[float, ...] = ()) -> StepRecord:
         """Train step `scalars.step` and advance the scalars; `agreement` values come back summed
         over the world (see `pipeline.train_step`)."""

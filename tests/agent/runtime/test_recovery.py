@@ -10,15 +10,26 @@ that broke is trained once, after the recovery. Each job starts up to 6 processe
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import pytest
 
 pytest.importorskip("torch", reason="the runtime needs torch (the agent extra)")
 
+import torch
+from torch.distributed import TCPStore
+
+from liveshard_agent.engine.world import World
+from liveshard_agent.runtime import optimizer as optimizer_module
+from liveshard_agent.runtime.data import Dataset, load_corpus
 from liveshard_agent.runtime.launcher import ScriptedKill, parse_kill, run_job
 from liveshard_agent.runtime.member import recovery_decision
+from liveshard_agent.runtime.settings import TrainingSettings
+from liveshard_agent.runtime.trainer import Scalars, Trainer, initial_state
 from liveshard_core.errors import InvalidInput
+from liveshard_core.layout.layout import Layout
+from liveshard_core.vps.presets import preset
 from tests.agent.runtime.test_training import assert_same_training, job, switches
 
 SCENARIOS = {
@@ -71,25 +82,82 @@ def test_kill_is_parsed_and_refused_when_malformed() -> None:
 # ---- the first survivor's decision ----
 
 
-def report(step: int, whole: bool) -> dict[str, Any]:
+def report(step: int, whole: bool = True, unfinished: bool = False) -> dict[str, Any]:
     scalars = {"step": step, "adam_step": step, "samples": step * 24, "seed": 0}
-    return {"scalars": scalars, "step": step, "whole": whole, "reason": "test"}
+    return {"scalars": scalars, "step": step, "whole": whole, "reason": "test",
+            "unfinished": unfinished, "summed": [4.0, 2.5, 0.0]}  # fmt: skip
 
 
 @pytest.mark.parametrize(
     ("reports", "why"),
     [
-        ({"m0": report(7, True), "m2": report(7, True)}, None),
-        ({"m0": report(7, True), "m2": report(8, True)}, "different steps {'m0': 7, 'm2': 8}"),
-        ({"m0": report(7, True), "m2": report(7, False)}, "middle of an update at ['m2']"),
+        ({"m0": report(7), "m2": report(7)}, None),
+        ({"m0": report(7, unfinished=True), "m2": report(8)}, None),
+        ({"m0": report(7), "m2": report(8)}, "steps {'m0': 7, 'm2': 8}, and ['m0'] cannot catch"),
+        ({"m0": report(6, unfinished=True), "m2": report(8)}, "['m0'] cannot catch up"),
+        ({"m0": report(7), "m2": report(7, whole=False)}, "middle of an update at ['m2']"),
     ],
 )
-def test_survivors_switch_at_their_common_step_or_learn_why_there_is_none(
+def test_survivors_switch_at_their_last_step_or_learn_why_there_is_none(
     reports: dict[str, dict[str, Any]], why: str | None
 ) -> None:
     decision = recovery_decision(reports)
     if why is None:
-        assert decision == {"step": 7, "scalars": reports["m0"]["scalars"]}
+        last = max(r["step"] for r in reports.values())
+        scalars = next(r["scalars"] for r in reports.values() if r["step"] == last)
+        assert decision["step"] == last and decision["scalars"] == scalars
+        behind = any(r["step"] < last for r in reports.values())
+        assert decision.get("finish") == ([4.0, 2.5, 0.0] if behind else None)
     else:
         assert decision["cause"] == "no_common_state"
         assert why in decision["abort"] and "restore from a checkpoint" in decision["abort"]
+
+
+# ---- an update cut in its all-reduce, finished alone ----
+
+
+def one_member(store: TCPStore, epoch: int) -> Trainer:
+    spec = preset("tiny")
+    layout = Layout.create(spec, ["m0"], dp=1)
+    device = torch.device("cpu")
+    world = World.build(store, epoch=epoch, layout=layout, member="m0", device=device, timeout=30)
+    settings = TrainingSettings(steps=10)
+    return Trainer(
+        state=initial_state(spec, layout, 0, settings.seed, device), world=world,
+        settings=settings, dataset=Dataset(load_corpus(None), settings.seq_len, settings.seed),
+        scalars=Scalars(seed=settings.seed),
+    )  # fmt: skip
+
+
+def test_an_update_cut_in_its_all_reduce_finishes_alone_bit_for_bit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One process, two single-member trainers of the same job: `cut` has the update's last
+    all-reduce fail (as when a peer dies inside it, which completes elsewhere), then finishes the
+    update with the sums `whole` got; both states must then be the same, bit for bit."""
+    store = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
+    whole, cut = one_member(store, 0), one_member(store, 1)
+    for trainer in (whole, cut):
+        trainer.step()
+    fail = {"now": False}
+    all_reduce = optimizer_module.comm.all_reduce
+
+    def failing(tensor: torch.Tensor, group: Any, *args: Any) -> None:
+        if fail["now"] and tensor.dtype == torch.float64:
+            raise RuntimeError("Connection closed by peer")
+        all_reduce(tensor, group, *args)
+
+    monkeypatch.setattr(optimizer_module.comm, "all_reduce", failing)
+    whole.step()
+    fail["now"] = True
+    with pytest.raises(RuntimeError, match="closed by peer"):
+        cut.step()
+    fail["now"] = False
+    assert cut.whole and cut.optimizer.can_finish and cut.scalars.step == 1
+    cut.finish_step(whole.optimizer.summed)
+    assert cut.scalars == whole.scalars
+    for (ref, box, mine), (_, _, theirs) in zip(
+        cut.state.items(), whole.state.items(), strict=True
+    ):
+        assert torch.equal(mine, theirs), (ref, box)
+    assert cut.step().loss == whole.step().loss
