@@ -6,6 +6,11 @@ On the local cluster (3 nodes, the chart's operator, the example `tiny` job on C
   moment a member that stays reports training in the new epoch (the first step in the new layout
   starts; for 2 -> 3 this includes the new pod's start and pre-warm), and the exposed pause inside
   it (the job's `lastReconfiguration.pauseSeconds`: the last step before to the first step after).
+- a worker lost without notice (its pod force-deleted: the process killed at once, its memory
+  gone): the time from the deletion to a survivor training in the recovery's epoch, and the
+  exposed pause (the survivors' break to their first step after); compared with what users do
+  today, a restart of the survivors from the last checkpoint (the delete, recreate and resume
+  time measured below, plus the steps since that checkpoint, lost).
 - the way users resize today, to the same sizes, from the same job: a DCP checkpoint of the
   running job (the agents' own checkpoint, its save time measured), then every pod force-deleted
   and the job recreated with the new replica count resuming from that checkpoint
@@ -88,18 +93,23 @@ def _training(kube: Kube, replicas: int, after_epoch: int = -1) -> dict[str, Any
     return wait_until(check, STARTUP, f"{JOB} training with {replicas} members")
 
 
+def _new_epoch(stayer: Agent, epoch: int) -> int:
+    """The epoch after `epoch` once `stayer` trains in it."""
+
+    def in_new_epoch() -> int | None:
+        s = stayer.status()
+        moved = s.epoch > epoch and s.phase == pb.AgentStatus.TRAINING
+        return int(s.epoch) if moved else None
+
+    return wait_until(in_new_epoch, STARTUP, "a member training in the new epoch")
+
+
 def live(kube: Kube, replicas: int) -> dict[str, Any]:
     before = _training(kube, len(_status(kube)["members"]))
     stayer = Agent(kube, before["members"][0])
     start = time.perf_counter()
     kube.kubectl("scale", f"etj/{JOB}", f"--replicas={replicas}")
-
-    def in_new_epoch() -> int | None:
-        s = stayer.status()
-        moved = s.epoch > before["epoch"] and s.phase == pb.AgentStatus.TRAINING
-        return int(s.epoch) if moved else None
-
-    new_epoch = wait_until(in_new_epoch, STARTUP, "a member training in the new epoch")
+    new_epoch = _new_epoch(stayer, before["epoch"])
     seconds = time.perf_counter() - start
     after = _training(kube, replicas, before["epoch"])
     last = after["lastReconfiguration"]
@@ -109,6 +119,31 @@ def live(kube: Kube, replicas: int) -> dict[str, Any]:
         "from": last["from"],
         "to": last["to"],
         "scale_to_first_step_seconds": round(seconds, 3),
+        "pause_seconds": last["pauseSeconds"],
+        "bytes_moved": last["bytesMoved"],
+    }
+
+
+def lost(kube: Kube) -> dict[str, Any]:
+    """Force-delete the last member's pod; the job recovers without it, then grows back."""
+    before = _training(kube, len(_status(kube)["members"]))
+    victim = before["members"][-1]
+    survivor = Agent(kube, before["members"][0])
+    start = time.perf_counter()
+    kube.kubectl("delete", "pod", victim, "--grace-period=0", "--force")
+    new_epoch = _new_epoch(survivor, before["epoch"])
+    seconds = time.perf_counter() - start
+    last = wait_until(
+        lambda: (r := _status(kube).get("lastReconfiguration") or {}).get("epoch") == new_epoch
+        and r, STARTUP, "the recovery recorded",
+    )  # fmt: skip
+    assert last["result"] == "committed" and f"lost {victim}" in last["reason"], last
+    _training(kube, len(before["members"]), new_epoch)  # a new pod pre-warmed and joined
+    return {
+        "lost": f"1 of {len(before['members'])}",
+        "from": last["from"],
+        "to": last["to"],
+        "delete_to_first_step_seconds": round(seconds, 3),
         "pause_seconds": last["pauseSeconds"],
         "bytes_moved": last["bytesMoved"],
     }
@@ -169,7 +204,13 @@ def main() -> None:
         _training(kube, 4)
         time.sleep(5)
         resizes = [live(kube, 2), live(kube, 3)]
+        recovery = lost(kube)
         restarts = [restart(kube, 2, scratch, 1), restart(kube, 3, scratch, 2)]
+        # Today a lost worker means restarting the survivors from the last checkpoint.
+        recovery["checkpoint_restart_seconds"] = restarts[0]["delete_recreate_resume_seconds"]
+        recovery["speedup_end_to_end"] = round(
+            recovery["checkpoint_restart_seconds"] / recovery["delete_to_first_step_seconds"], 1
+        )
         for live_one, restart_one in zip(resizes, restarts, strict=True):
             live_one["checkpoint_restart_seconds"] = restart_one["total_seconds"]
             live_one["speedup_end_to_end"] = round(
@@ -178,7 +219,8 @@ def main() -> None:
             live_one["speedup_pause"] = round(
                 restart_one["total_seconds"] / live_one["pause_seconds"], 1
             )
-        result = {"machine": _machine(), "live": resizes, "checkpoint_restart": restarts}
+        result = {"machine": _machine(), "live": resizes, "lost": recovery,
+                  "checkpoint_restart": restarts}  # fmt: skip
         print(json.dumps(result, indent=1), flush=True)
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -556,8 +556,8 @@ class Member:
 
     def _decide_recovery(self, change: Change) -> None:
         """The lowest-ranked survivor announces the recovery once every survivor has said where
-        its world broke: a switch at their common step when every state is whole and at the same
-        step, else an abort saying why (then only a checkpoint restores the job)."""
+        its world broke (`recovery_decision`): the switch at their last step, or an abort saying
+        why there is no common state (then only a checkpoint restores the job)."""
         survivors = [m for m in change.old.members if m not in change.lost]
         if self.name != survivors[0]:
             return
