@@ -286,17 +286,25 @@ class JobController:
         ))  # fmt: skip
 
     def _silent(self, step: _Pass, members: list[str]) -> list[str]:
-        """Members whose agent answers nothing while another's world broke: dead or hung, they
-        hold up the others; their pods are deleted and they count as lost."""
+        """Members whose agent has answered nothing for the op deadline while another's world
+        broke: dead or hung, they hold up the others; their pods are deleted and they count as
+        lost. When they were first seen silent is kept in the job's status."""
         pods = step.seen.pods
-        if not any(_broken(_agent(pods.get(m))) for m in members):
-            return []
-        silent = [m for m in members if m in pods and not pods[m].gone and pods[m].agent is None]
-        for member in silent:
+        broken = any(_broken(_agent(pods.get(m))) for m in members)
+        silent = [m for m in members if broken and m in pods and not pods[m].gone
+                  and pods[m].agent is None]  # fmt: skip
+        now = time.time()
+        since = {m: float(t) for m, t in (step.record.get("silent") or {}).items() if m in silent}
+        since.update({m: now for m in silent if m not in since})
+        if since != (step.record.get("silent") or {}):
+            step.record["silent"] = since or None
+            self._write(step.job, {"reconfiguration": step.record})
+        out = [m for m in silent if now - since[m] >= step.spec.deadlines["op"]]
+        for member in out:
             log.warning("job %s: %s answers nothing while its world is broken: %s", self.name,
                         member, pods[member].error)  # fmt: skip
             self.kube.delete(self.namespace, "pods", member)
-        return silent
+        return out
 
     def _agent_done(self, pod: Pod | None) -> bool:
         return pod is not None and pod.agent is not None and pod.agent.phase == pb.AgentStatus.DONE
