@@ -96,6 +96,17 @@ def training(replicas: int, epoch: int | None = None) -> Callable[[dict[str, Any
     return check
 
 
+def started(kube: Kube, replicas: int) -> tuple[Steps, dict[str, Any]]:
+    """Apply the job; its status once it trains with `replicas` members past step 2."""
+    kube.apply(job(replicas))
+    steps = Steps(kube)
+
+    def past_step_2(s: dict[str, Any]) -> bool:
+        return training(replicas)(s) and s.get("step", 0) >= 2
+
+    return steps, steps.wait(past_step_2, f"training with {replicas}", STARTUP)
+
+
 def members(kube: Kube) -> dict[str, dict[str, Any]]:
     return {p["metadata"]["name"]: p for p in kube.pods(f"liveshard.io/job={JOB}")}
 
@@ -192,11 +203,7 @@ def test_a_worker_killed_without_notice_is_recovered_from_its_replicas(operator:
     kube = operator
     # Without ZeRO (the example's) every data-parallel replica holds the whole state: the dead
     # one's is in memory.
-    kube.apply(job(3))
-    steps = Steps(kube)
-    start = steps.wait(
-        lambda s: training(3)(s) and s.get("step", 0) >= 2, "training with 3", STARTUP
-    )
+    steps, start = started(kube, 3)
     victim = start["members"][1]
     before = members(kube)
     kube.kubectl("delete", "pod", victim, "--grace-period=0", "--force")
@@ -223,11 +230,7 @@ def test_a_worker_killed_without_notice_is_recovered_from_its_replicas(operator:
 
 def test_a_hung_worker_is_taken_out_once_the_others_world_breaks(operator: Kube) -> None:
     kube = operator
-    kube.apply(job(3))
-    steps = Steps(kube)
-    start = steps.wait(
-        lambda s: training(3)(s) and s.get("step", 0) >= 2, "training with 3", STARTUP
-    )
+    steps, start = started(kube, 3)
     victim = start["members"][2]
     container = members(kube)[victim]["status"]["containerStatuses"][0]["containerID"]
     pid = int(container.removeprefix("process://"))
