@@ -1,6 +1,7 @@
 """Resizing a job on the local Kubernetes cluster: live, against the way users resize today.
 
-On the local cluster (3 nodes, the chart's operator, the example `tiny` job on CPU), in one run:
+On the local cluster (3 nodes, the chart's operator, the example `tiny` job on CPU without ZeRO),
+in one run:
 
 - live: `kubectl scale` 4 -> 2, then 2 -> 3. For each: the time from the scale command to the
   moment a member that stays reports training in the new epoch (the first step in the new layout
@@ -79,6 +80,8 @@ class Agent:
 def _job(replicas: int, restore: str = "") -> dict[str, Any]:
     body = yaml.safe_load((ROOT / "examples" / "tiny-job.yaml").read_text())
     body["spec"]["replicas"] = replicas
+    # Without ZeRO every replica holds the whole state: a lost worker is rebuilt from memory.
+    body["spec"]["parallelism"]["zero"] = 0
     if restore:
         body["spec"]["checkpoint"] = {"restoreFrom": restore}
     return dict(body)

@@ -104,8 +104,13 @@ def run(keep: bool) -> None:
                  "--timeout=180s", timeout=240)  # fmt: skip
         narrator = Narrator(kube)
         narrator.thread.start()
-        narrator.say("kubectl apply -f examples/tiny-job.yaml  (4 workers)")
-        kube.apply(yaml.safe_load((ROOT / "examples" / "tiny-job.yaml").read_text()))
+        narrator.say(
+            "kubectl apply -f examples/tiny-job.yaml  (4 workers; parallelism.zero set "
+            "to 0: every replica holds the whole state, so a dead worker's is in memory)"
+        )
+        body = yaml.safe_load((ROOT / "examples" / "tiny-job.yaml").read_text())
+        body["spec"]["parallelism"]["zero"] = 0
+        kube.apply(body)
         narrator.wait(_running(4), "the job training with 4 members", STARTUP)
         epoch = narrator.status()["epoch"]
         for replicas in (2, 3):

@@ -57,7 +57,7 @@ def test_examples_validate_and_get_their_defaults(jobs: Kube) -> None:
     assert rc == 0, err
     spec = json.loads(out)["spec"]
     assert spec["port"] == 7070
-    assert spec["parallelism"] == {"zero": 0}
+    assert spec["parallelism"] == {"zero": 1}
     assert spec["reconfiguration"] == {
         "memoryBudget": "256Mi",
         "opTimeoutSeconds": 30,

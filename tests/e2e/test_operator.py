@@ -96,9 +96,9 @@ def training(replicas: int, epoch: int | None = None) -> Callable[[dict[str, Any
     return check
 
 
-def started(kube: Kube, replicas: int) -> tuple[Steps, dict[str, Any]]:
+def started(kube: Kube, replicas: int, **spec: Any) -> tuple[Steps, dict[str, Any]]:
     """Apply the job; its status once it trains with `replicas` members past step 2."""
-    kube.apply(job(replicas))
+    kube.apply(job(replicas, **spec))
     steps = Steps(kube)
 
     def past_step_2(s: dict[str, Any]) -> bool:
@@ -201,9 +201,8 @@ def test_drain_moves_a_worker_out_before_it_is_killed(operator: Kube) -> None:
 
 def test_a_worker_killed_without_notice_is_recovered_from_its_replicas(operator: Kube) -> None:
     kube = operator
-    # Without ZeRO (the example's) every data-parallel replica holds the whole state: the dead
-    # one's is in memory.
-    steps, start = started(kube, 3)
+    # Without ZeRO every data-parallel replica holds the whole state: the dead one's is in memory.
+    steps, start = started(kube, 3, parallelism={"zero": 0})
     victim = start["members"][1]
     before = members(kube)
     kube.kubectl("delete", "pod", victim, "--grace-period=0", "--force")
@@ -230,7 +229,7 @@ def test_a_worker_killed_without_notice_is_recovered_from_its_replicas(operator:
 
 def test_a_hung_worker_is_taken_out_once_the_others_world_breaks(operator: Kube) -> None:
     kube = operator
-    steps, start = started(kube, 3)
+    steps, start = started(kube, 3, parallelism={"zero": 0})
     victim = start["members"][2]
     container = members(kube)[victim]["status"]["containerStatuses"][0]["containerID"]
     pid = int(container.removeprefix("process://"))
@@ -254,9 +253,9 @@ def test_a_worker_lost_with_the_only_copy_of_its_state_restores_the_last_checkpo
     operator: Kube, tmp_path: Path
 ) -> None:
     kube = operator
-    # ZeRO-1 on 2 members: each holds the only copy of half the optimizer state.
+    # ZeRO-1 (the example's) on 2 members: each holds the only copy of half the optimizer state.
     saved = tmp_path / "checkpoints"
-    kube.apply(job(2, parallelism={"zero": 1}, checkpoint={"path": str(saved), "everySteps": 3}))
+    kube.apply(job(2, checkpoint={"path": str(saved), "everySteps": 3}))
     steps = Steps(kube)
     start = steps.wait(training(2), "training with 2", STARTUP)
     written = wait_until(lambda: list(saved.glob("step-*/liveshard.json")), 120, "a checkpoint")
