@@ -45,7 +45,9 @@ Events = Callable[[dict[str, Any], str, str, str], None]  # (job, type, reason, 
 
 _TRAINING = (pb.AgentStatus.TRAINING, pb.AgentStatus.DONE)
 _RESTARTABLE = (pb.AgentStatus.STANDBY, pb.AgentStatus.BROKEN)  # may join a restored first world
-_UNRECOVERABLE = {"no_common_state", "no_surviving_copy"}  # a recovery's causes that will stay
+# A recovery's abort causes that retrying cannot change (the agent's `Cause` values, named here
+# because the operator does not import the agent).
+_UNRECOVERABLE = {"no_common_state", "no_surviving_copy"}
 _MAX_BACKOFF = 120.0
 
 
@@ -293,10 +295,10 @@ class JobController:
         broken = any(_broken(_agent(pods.get(m))) for m in members)
         silent = [m for m in members if broken and m in pods and not pods[m].gone
                   and pods[m].agent is None]  # fmt: skip
-        now = time.time()
-        since = {m: float(t) for m, t in (step.record.get("silent") or {}).items() if m in silent}
+        now, recorded = time.time(), step.record.get("silent") or {}
+        since = {m: float(t) for m, t in recorded.items() if m in silent}
         since.update({m: now for m in silent if m not in since})
-        if since != (step.record.get("silent") or {}):
+        if since != recorded:
             step.record["silent"] = since or None
             self._write(step.job, {"reconfiguration": step.record})
         out = [m for m in silent if now - since[m] >= step.spec.deadlines["op"]]
