@@ -99,8 +99,9 @@ from torch.distributed.checkpoint.state_dict_saver import save
 
 from liveshard_agent.engine.backend import Group, new_group, sharded_tensor
 from liveshard_agent.engine.state import TORCH_DTYPES, ShardedState
-from liveshard_agent.engine.switch import MemoryMode, Reconfiguration, Timeouts
+from liveshard_agent.engine.switch import MemoryMode, Reconfiguration
 from liveshard_agent.engine.world import StoreAddress, connect_store
+from liveshard_core.job import Deadlines
 from liveshard_core.layout.layout import Layout, parse_degrees
 from liveshard_core.layout.region import partition, place
 from liveshard_core.plan.plan import Plan, build_plan
@@ -117,7 +118,7 @@ SWITCH_PARTS = ("transfer", "checksum_new", "vote")  # SwitchResult.seconds; tra
 SEED = 7
 HOST = "127.0.0.1"
 RAW_REPEATS = 3
-TIMEOUTS = Timeouts(op=120.0, switch=600.0, prepare=900.0)
+DEADLINES = Deadlines(op=120.0, switch=600.0, prepare=900.0)
 CPU = torch.device("cpu")
 
 # About 1 GiB of training state: 74.7M parameters x 14 bytes (tied embeddings keep it dense
@@ -236,10 +237,10 @@ def _peak_rss() -> int:
 
 def setup(index: int, size: int, port: int) -> int:
     """Connect to the driver's store and build a gloo group over all workers."""
-    store = connect_store(StoreAddress(HOST, port), timeout=TIMEOUTS.op)
+    store = connect_store(StoreAddress(HOST, port), timeout=DEADLINES.op)
     CONTEXT.update(index=index, store=store)
     CONTEXT["group"] = new_group(
-        store, prefix="bench/all", rank=index, size=size, device=CPU, timeout=TIMEOUTS.op
+        store, prefix="bench/all", rank=index, size=size, device=CPU, timeout=DEADLINES.op
     )
     return os.getpid()
 
@@ -265,7 +266,7 @@ def prepare(
         return None
     reconfig = Reconfiguration(
         spec=spec, old=old, new=new, member=member, store=CONTEXT["store"], epoch=epoch,
-        device=CPU, budget=budget, timeouts=TIMEOUTS, verify=verify, memory=MemoryMode(memory),
+        device=CPU, budget=budget, deadlines=DEADLINES, verify=verify, memory=MemoryMode(memory),
         job="bench",
     )  # fmt: skip
     start = time.perf_counter()
@@ -294,7 +295,7 @@ def dcp_save(directory: str, epoch: int) -> float | None:
     store = PrefixStore(f"bench/{epoch}/dcp/", CONTEXT["store"])
     dist.init_process_group(
         "gloo", store=store, rank=state.rank, world_size=old.world_size,
-        timeout=timedelta(seconds=TIMEOUTS.switch),
+        timeout=timedelta(seconds=DEADLINES.switch),
     )  # fmt: skip
     try:
         dist.barrier()
@@ -390,10 +391,10 @@ def _restart_main(
         torch.set_num_threads(1)
         spec = ModelSpec.from_config(TransformerConfig(**config))
         _, new = transition.layouts(spec)
-        store = TCPStore(HOST, port, None, False, timedelta(seconds=TIMEOUTS.op))
+        store = TCPStore(HOST, port, None, False, timedelta(seconds=DEADLINES.op))
         dist.init_process_group(
             "gloo", store=PrefixStore(prefix, store), rank=rank, world_size=new.world_size,
-            timeout=timedelta(seconds=TIMEOUTS.switch),
+            timeout=timedelta(seconds=DEADLINES.switch),
         )  # fmt: skip
         initialised = time.time()
         state = ShardedState.allocate(spec, new, rank, CPU)
@@ -676,7 +677,7 @@ def main() -> None:
     budget = QUICK_BUDGET if args.quick else FULL_BUDGET
     repeat = args.repeat or (1 if args.quick else 2)
 
-    store = TCPStore(HOST, 0, None, True, timedelta(seconds=TIMEOUTS.op), wait_for_workers=False)
+    store = TCPStore(HOST, 0, None, True, timedelta(seconds=DEADLINES.op), wait_for_workers=False)
     pool = Pool(NPROCS, __name__, threads=1, timeout=1800)
     results = []
     try:

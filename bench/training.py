@@ -47,9 +47,16 @@ from typing import Any
 import torch
 from torch.distributed import TCPStore
 
-from liveshard_agent.runtime.launcher import Driver, LocalJob, ScriptedKill, parse_switch, run_job
+from liveshard_agent.runtime.launcher import (
+    Driver,
+    LocalJob,
+    ScriptedKill,
+    local_config,
+    parse_switch,
+    run_job,
+)
 from liveshard_agent.runtime.member import Change, Member
-from liveshard_agent.runtime.settings import TrainingSettings
+from liveshard_core.job import TrainingSettings
 from liveshard_core.layout.layout import parse_degrees
 from liveshard_e2e.workers import Pool
 
@@ -75,8 +82,8 @@ def _job(layout: str, steps: int, **options: Any) -> LocalJob:
     degrees = parse_degrees(layout)
     options.setdefault("switches", ())
     return LocalJob(
-        model="tiny", nprocs=degrees.world_size, layout=degrees,
-        settings=TrainingSettings(steps=steps), device="cpu", **options,
+        config=local_config("tiny", TrainingSettings(steps=steps)), nprocs=degrees.world_size,
+        layout=degrees, **options,
     )  # fmt: skip
 
 

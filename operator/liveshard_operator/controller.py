@@ -30,10 +30,11 @@ from typing import Any
 
 from liveshard.v1 import agent_pb2 as pb
 from liveshard_core.errors import InvalidInput
+from liveshard_core.job import Result
 from liveshard_core.vps.spec import ModelSpec
 
 from . import conditions, policy, render
-from .agents import AgentClient, AgentError, Deadlines
+from .agents import AgentClient, AgentError, cause_of, result_of
 from .kube import Kube
 from .observe import Observation, Pod, observe
 from .spec import JobSpec
@@ -45,9 +46,6 @@ Events = Callable[[dict[str, Any], str, str, str], None]  # (job, type, reason, 
 
 _TRAINING = (pb.AgentStatus.TRAINING, pb.AgentStatus.DONE)
 _RESTARTABLE = (pb.AgentStatus.STANDBY, pb.AgentStatus.BROKEN)  # may join a restored first world
-# A recovery's abort causes that retrying cannot change (the agent's `Cause` values, named here
-# because the operator does not import the agent).
-_UNRECOVERABLE = {"no_common_state", "no_surviving_copy"}
 _MAX_BACKOFF = 120.0
 
 
@@ -66,7 +64,11 @@ def _broken(agent: pb.AgentStatus | None) -> bool:
 def _gave_up(agent: pb.AgentStatus, epoch: int) -> bool:
     """Whether the agent aborted `epoch`'s switch or failed to prepare it."""
     switch, pending = agent.last_switch, agent.pending
-    aborted = agent.HasField("last_switch") and switch.epoch == epoch and switch.result == "aborted"
+    aborted = (
+        agent.HasField("last_switch")
+        and switch.epoch == epoch
+        and result_of(switch) is Result.ABORTED
+    )
     failed = agent.HasField("pending") and pending.epoch == epoch
     return aborted or (failed and pending.state == pb.Pending.FAILED)
 
@@ -301,7 +303,7 @@ class JobController:
         if since != recorded:
             step.record["silent"] = since or None
             self._write(step.job, {"reconfiguration": step.record})
-        out = [m for m in silent if now - since[m] >= step.spec.deadlines["op"]]
+        out = [m for m in silent if now - since[m] >= step.spec.deadlines.op]
         for member in out:
             log.warning("job %s: %s answers nothing while its world is broken: %s", self.name,
                         member, pods[member].error)  # fmt: skip
@@ -346,7 +348,7 @@ class JobController:
     def _ask_to_prepare(self, step: _Pass, plan: InFlight) -> None:
         """Send Prepare to every member of the change that has not taken it yet."""
         spec = step.spec
-        deadlines = Deadlines(**spec.deadlines)
+        deadlines = spec.deadlines
         old = plan.old.layout(step.model) if plan.old else None
         new = plan.new.layout(step.model)
         for member in plan.union():
@@ -377,7 +379,7 @@ class JobController:
         trained = [m for m in plan.new.members if m in agents and _trains_in(agents[m], plan.epoch)]
         aborted = [m for m, a in agents.items() if _gave_up(a, plan.epoch)]
         vanished = [m for m in union if m not in pods or pods[m].gone]
-        overdue = time.time() - plan.started > sum(step.spec.deadlines.values()) + 60
+        overdue = time.time() - plan.started > step.spec.deadlines.total + 60
         if len(trained) == len(plan.new.members):
             self._commit(step, plan, agents)
         elif trained and (aborted or vanished):
@@ -389,8 +391,9 @@ class JobController:
                            for m in aborted), "")  # fmt: skip
             why = f"{why}: {detail}" if detail else why
             self._abort(step, plan, why, agents)
-            causes = {agents[m].last_switch.cause for m in aborted}
-            if plan.lost and causes & _UNRECOVERABLE:  # the same recovery would abort again
+            causes = {cause_of(agents[m].last_switch) for m in aborted}
+            # the same recovery would abort again
+            if plan.lost and any(c is not None and c.permanent for c in causes):
                 lost = ", ".join(plan.lost)
                 step.record["restore"] = f"the recovery from the loss of {lost} {why}"
                 self._write(step.job, {"reconfiguration": step.record})
@@ -546,7 +549,7 @@ class JobController:
             conds.set("Failed", True, step.status["failedReason"], step.status["failed"])
         elif step.status.get("finished"):
             phase = "Succeeded"
-            conds.set("Succeeded", True, "Trained", f"trained {step.spec.training['steps']} steps")
+            conds.set("Succeeded", True, "Trained", f"trained {step.spec.training.steps} steps")
             self._finish(step)
         elif plan is not None:
             phase = "Reconfiguring"

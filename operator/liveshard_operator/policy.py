@@ -36,7 +36,7 @@ def constraints(job: JobSpec) -> Constraints:
     p, t = job.parallelism, job.training
     return Constraints(
         tp=p.tp, pp=p.pp, pp_max=p.pp_max, ep=p.ep, zero=p.zero,
-        global_batch=t["global_batch"], micro_batch=t["micro_batch"], seq_len=t["seq_len"],
+        global_batch=t.global_batch, micro_batch=t.micro_batch, seq_len=t.seq_len,
     )  # fmt: skip
 
 

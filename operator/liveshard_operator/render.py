@@ -93,7 +93,7 @@ def worker_pod(job: dict[str, Any], spec: JobSpec) -> dict[str, Any]:
     # A crashed agent has lost its state: the operator replaces the pod, nothing restarts it.
     pod_spec["restartPolicy"] = "Never"
     # Long enough for the job to move a leaving pod's state out before it is killed.
-    grace = spec.deadlines["prepare"] + spec.deadlines["switch"] + 60
+    grace = spec.deadlines.prepare + spec.deadlines.switch + 60
     pod_spec.setdefault("terminationGracePeriodSeconds", int(grace))
     labels = {**(metadata.get("labels") or {}), JOB_LABEL: name, ROLE_LABEL: STANDBY}
     return {

@@ -4,21 +4,32 @@ The API server has already refused what the schema and its CEL rules refuse (unk
 replicas outside min/max, ...). What remains needs the model: that a fixed tp divides its heads,
 that some layout fits at all. `JobSpec.parse` raises `InvalidInput` naming the field, the value
 and what would be valid; the controller reports it as a condition, never as a crash.
+
+What every agent of the job shares is one `liveshard_core.job.JobConfig`, built here from the CRD
+once (`spec.training.<camelCase>` is the settings field of that name) and sent to the agents as
+its own JSON; the rest is the operator's: replicas, parallelism constraints, checkpoints, the pod
+template.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from liveshard_core.errors import InvalidInput
+from liveshard_core.job import DEFAULT_BUDGET, DEFAULT_PORT, Deadlines, JobConfig, TrainingSettings
+from liveshard_core.job.config import model_config
+from liveshard_core.job.settings import camel
 from liveshard_core.layout.layout import Degrees
-from liveshard_core.vps.presets import preset
-from liveshard_core.vps.spec import ModelSpec, config_from_dict, config_to_dict
+from liveshard_core.vps.spec import ModelSpec
 
-DEFAULT_PORT = 7070
 _UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9}
+# spec.reconfiguration's deadline fields, by the Deadlines field they set.
+DEADLINE_FIELDS = {
+    "op": "opTimeoutSeconds",
+    "switch": "switchDeadlineSeconds",
+    "prepare": "prepareDeadlineSeconds",
+}
 
 
 def parse_quantity(value: Any, field_name: str) -> int:
@@ -53,12 +64,7 @@ class JobSpec:
     min_replicas: int
     max_replicas: int
     parallelism: Parallelism
-    model: dict[str, Any]  # {"preset": name} or {"spec": fields}
-    precision: str | None
-    device: str
-    training: dict[str, Any]  # TrainingSettings fields, snake_case
-    budget_bytes: int
-    deadlines: dict[str, float]  # op, switch, prepare
+    config: JobConfig  # its device is set: cpu or cuda
     checkpoint_path: str | None
     checkpoint_every: int
     restore_from: str
@@ -71,10 +77,22 @@ class JobSpec:
         model = spec.get("model") or {}
         if ("preset" in model) == ("spec" in model):
             raise InvalidInput("spec.model must give exactly one of preset and spec")
-        training = spec.get("training") or {}
         reconf = spec.get("reconfiguration") or {}
         ckpt = spec.get("checkpoint") or {}
         template = spec.get("template") or {}
+        source = {k: model[k] for k in ("preset", "spec") if k in model}
+        config = JobConfig(
+            model=model_config(source, "spec.model"),
+            precision=model.get("precision"),
+            device=spec.get("device") or ("cuda" if _requests_gpus(template) else "cpu"),
+            training=TrainingSettings.from_dict(
+                spec.get("training") or {}, "spec.training", key=camel
+            ),
+            deadlines=_deadlines(reconf),
+            budget_bytes=parse_quantity(
+                reconf.get("memoryBudget", DEFAULT_BUDGET), "spec.reconfiguration.memoryBudget"
+            ),
+        )
         job = cls(
             replicas=int(spec.get("replicas", 0)),
             min_replicas=int(spec.get("minReplicas", 1)),
@@ -86,28 +104,7 @@ class JobSpec:
                 ep=par.get("ep"),
                 zero=int(par.get("zero", 1)),
             ),
-            model={"preset": model["preset"]} if "preset" in model else {"spec": model["spec"]},
-            precision=model.get("precision"),
-            device=spec.get("device") or ("cuda" if _requests_gpus(template) else "cpu"),
-            training={
-                "global_batch": int(training.get("globalBatch", 24)),
-                "micro_batch": int(training.get("microBatch", 1)),
-                "seq_len": int(training.get("seqLen", 64)),
-                "steps": int(training.get("steps", 1000)),
-                "seed": int(training.get("seed", 0)),
-                "lr": float(training.get("lr", 3e-3)),
-                "min_lr": float(training.get("lr", 3e-3)) / 10,
-                "dropout": float(training.get("dropout", 0.0)),
-                "data": training.get("data"),
-            },
-            budget_bytes=parse_quantity(
-                reconf.get("memoryBudget", "256Mi"), "spec.reconfiguration.memoryBudget"
-            ),
-            deadlines={
-                "op": float(reconf.get("opTimeoutSeconds", 30)),
-                "switch": float(reconf.get("switchDeadlineSeconds", 120)),
-                "prepare": float(reconf.get("prepareDeadlineSeconds", 300)),
-            },
+            config=config,
             checkpoint_path=ckpt.get("path"),
             checkpoint_every=int(ckpt.get("everySteps", 0)),
             restore_from=str(ckpt.get("restoreFrom") or ""),
@@ -117,9 +114,25 @@ class JobSpec:
         job._check_fixed_degrees()
         return job
 
+    @property
+    def device(self) -> str:
+        return self.config.device or "cpu"
+
+    @property
+    def training(self) -> TrainingSettings:
+        return self.config.training
+
+    @property
+    def deadlines(self) -> Deadlines:
+        return self.config.deadlines
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.config.budget_bytes
+
     def _check_fixed_degrees(self) -> None:
         """A fixed tp, pp or ep the model cannot take is reported now, not at a switch."""
-        model = self.model_spec()  # a model that cannot be built too
+        model = self.model_spec()
         p = self.parallelism
         tp, pp, ep = p.tp or 1, p.pp or 1, p.ep or 1
         try:
@@ -130,35 +143,25 @@ class JobSpec:
             raise InvalidInput(f"spec.parallelism: {err}") from None
 
     def model_spec(self) -> ModelSpec:
-        """The model as the agents build it (fp32 without a master copy on CPU by default)."""
-        if "preset" in self.model:
-            config = preset(self.model["preset"]).config
-        else:
-            config = config_from_dict(self.model["spec"], "spec.model.spec")
-        precision = self.precision or ("fp32" if self.device == "cpu" else None)
-        data = config_to_dict(config)
-        if precision is not None:
-            data["param_dtype"] = precision
-        return ModelSpec.from_config(config_from_dict(data, "spec.model"))
+        """The model as the agents build it."""
+        return self.config.model_spec(self.device)
 
     def agent_config(self) -> str:
         """LIVESHARD_CONFIG of the agents: what they train and how they switch."""
-        return json.dumps(
-            {
-                "model": self.model,
-                "precision": self.precision,
-                "device": self.device,
-                "training": self.training,
-                "deadlines": self.deadlines,
-                "budget_bytes": self.budget_bytes,
-            },
-            sort_keys=True,
-        )
+        return self.config.to_json()
 
     def constraints(self) -> Degrees:
         """The fixed degrees (1 where free), for messages."""
         p = self.parallelism
         return Degrees(tp=p.tp or 1, pp=p.pp or 1, ep=p.ep or 1, zero=p.zero)
+
+
+def _deadlines(reconf: dict[str, Any]) -> Deadlines:
+    values = {name: reconf[key] for name, key in DEADLINE_FIELDS.items() if key in reconf}
+    try:
+        return Deadlines.from_dict(values)
+    except InvalidInput as err:
+        raise InvalidInput(f"spec.reconfiguration: {err}") from None
 
 
 def _requests_gpus(template: dict[str, Any]) -> bool:

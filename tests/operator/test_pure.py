@@ -10,6 +10,7 @@ from liveshard_operator import conditions, policy, render
 from liveshard_operator.spec import JobSpec, parse_quantity
 
 from liveshard_core.errors import InvalidInput
+from liveshard_core.job import Deadlines
 
 JOB = {
     "apiVersion": "liveshard.io/v1alpha1",
@@ -32,7 +33,7 @@ def test_spec_parses_with_defaults_and_agent_config() -> None:
     spec = JobSpec.parse(JOB["spec"])
     assert (spec.replicas, spec.min_replicas, spec.max_replicas) == (4, 1, 8)
     assert spec.device == "cpu" and spec.budget_bytes == 64 << 20
-    assert spec.deadlines == {"op": 30.0, "switch": 120.0, "prepare": 300.0}
+    assert spec.deadlines == Deadlines(op=30.0, switch=120.0, prepare=300.0)
     config = json.loads(spec.agent_config())
     assert config["model"] == {"preset": "tiny"} and config["training"]["global_batch"] == 24
     # On CPU the model trains in fp32 without a master copy, as the agents build it.

@@ -6,22 +6,10 @@ structure; the message next to it is for people.
 
 from __future__ import annotations
 
-from enum import Enum
-
 from liveshard_core.errors import PermanentError, RetryableError
+from liveshard_core.job import Cause
 
-
-class Cause(Enum):
-    """Why a switch aborted."""
-
-    PEER_FAILED = "peer_failed"  # a transfer with a member failed (it died or closed)
-    DEADLINE_PASSED = "deadline_passed"  # the switch deadline passed waiting for a member
-    VOTE_NO = "vote_no"  # a member voted no (a failure of its own, or a hook's)
-    CHECKSUM_MISMATCH = "checksum_mismatch"  # the state after the transfer differs
-    VOTE_INCOMPLETE = "vote_incomplete"  # the vote itself failed or timed out
-    PLAN_MISMATCH = "plan_mismatch"  # members computed different plans (found in prepare)
-    NO_COMMON_STATE = "no_common_state"  # a broken world's survivors stopped in different states
-    NO_SURVIVING_COPY = "no_surviving_copy"  # some state was held only by lost members
+__all__ = ["Cause", "EpochReused", "PhaseError", "PlanMismatch", "PrepareTimeout", "TransferError"]
 
 
 class TransferError(RetryableError):

@@ -27,10 +27,10 @@ Memory (`modes.MemoryMode`): RESIDENT (the default) allocates the whole shadow i
 keeps the old state as it is; BOUNDED keeps the old state in host memory and fills the shadow as
 the old device storage is given back, within the budget plus the member's own growth.
 
-Timeouts, short to long (`Timeouts`): one operation < the switch deadline < the prepare deadline.
-A deadline that passes aborts; nothing waits longer. Known window: a member that dies *during* the
-vote all-reduce can leave members that completed it committed and others aborted; the operator,
-which records the committed epoch, reconciles that case.
+Deadlines, short to long (`liveshard_core.job.Deadlines`): one operation < the switch deadline <
+the prepare deadline. A deadline that passes aborts; nothing waits longer. Known window: a member
+that dies *during* the vote all-reduce can leave members that completed it committed and others
+aborted; the operator, which records the committed epoch, reconciles that case.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from enum import Enum
 import torch
 from torch.distributed import ReduceOp, Store
 
+from liveshard_core.job import Deadlines
 from liveshard_core.layout.layout import Layout
 from liveshard_core.plan.plan import change_digest
 from liveshard_core.plan.schedule import MemberSchedule, member_schedule, member_traffic
@@ -75,7 +76,6 @@ __all__ = [
     "Reconfiguration",
     "SwitchHooks",
     "SwitchResult",
-    "Timeouts",
     "Verification",
 ]
 
@@ -90,19 +90,6 @@ class Phase(Enum):
     COMMITTED = "committed"
     ABORTED = "aborted"
     FAILED = "failed"  # prepare failed or passed its deadline
-
-
-@dataclass(frozen=True)
-class Timeouts:
-    """Seconds; each must be shorter than the next."""
-
-    op: float = 30.0  # creating a group, one operation outside a switch
-    switch: float = 120.0  # transfer, checksums and vote
-    prepare: float = 300.0  # plan, digest agreement, world building
-
-    def __post_init__(self) -> None:
-        if not 0 < self.op <= self.switch <= self.prepare:
-            raise ValueError(f"timeouts must satisfy 0 < op <= switch <= prepare, got {self}")
 
 
 @dataclass(frozen=True)
@@ -149,7 +136,7 @@ class Reconfiguration:
         epoch: int,
         device: torch.device,
         budget: int,
-        timeouts: Timeouts | None = None,
+        deadlines: Deadlines | None = None,
         lost: frozenset[str] = frozenset(),
         verify: bool | Verification = True,
         memory: MemoryMode = MemoryMode.RESIDENT,
@@ -167,7 +154,7 @@ class Reconfiguration:
         self.verify = self.verification is not Verification.NONE
         self.memory_mode, self.job = memory, job
         self.store, self.epoch, self.device, self.budget = store, epoch, device, budget
-        self.timeouts = timeouts or Timeouts()
+        self.deadlines = deadlines or Deadlines()
         self.hooks = hooks or SwitchHooks()
         self.seconds: dict[str, float] = {}
         self.log = context_logger(log, job=job, epoch=epoch, member=member)
@@ -225,9 +212,9 @@ class Reconfiguration:
                 done.set_exception(error)
 
         expired = PrepareTimeout(
-            f"epoch {self.epoch}: prepare passed its {self.timeouts.prepare} s deadline"
+            f"epoch {self.epoch}: prepare passed its {self.deadlines.prepare} s deadline"
         )
-        timer = threading.Timer(self.timeouts.prepare, finish, args=(expired,))
+        timer = threading.Timer(self.deadlines.prepare, finish, args=(expired,))
         timer.daemon = True
 
         def run() -> None:
@@ -266,9 +253,9 @@ class Reconfiguration:
         start = time.perf_counter()
         self.union = union_group(
             self.store, epoch=self.epoch, members=self.members, member=self.member,
-            device=self.device, timeout=self.timeouts.switch,
+            device=self.device, timeout=self.deadlines.switch,
         )  # fmt: skip
-        deadline = time.monotonic() + self.timeouts.prepare
+        deadline = time.monotonic() + self.deadlines.prepare
         own = member_traffic(part)
         traffic = own.from_vector(
             reduce_ints(self.union, own.vector(), ReduceOp.MAX, deadline, self.device)
@@ -280,7 +267,7 @@ class Reconfiguration:
         if self.member in self.new.ranks:
             self.world = World.build(
                 self.store, epoch=self.epoch, layout=self.new, member=self.member,
-                device=self.device, timeout=self.timeouts.op,
+                device=self.device, timeout=self.deadlines.op,
             )  # fmt: skip
         self.seconds["groups"] = time.perf_counter() - start
         start = time.perf_counter()
@@ -361,14 +348,14 @@ class Reconfiguration:
             self.store.set(prefix + "all", "1")
         keys = [prefix + m for m in self.members]
         try:
-            self.store.wait([prefix + "all"], timedelta(seconds=self.timeouts.prepare))
+            self.store.wait([prefix + "all"], timedelta(seconds=self.deadlines.prepare))
         except RuntimeError:
             missing = [
                 m for m, k in zip(self.members, keys, strict=True) if not self.store.check([k])
             ]
             raise PrepareTimeout(
                 f"epoch {self.epoch}: members {missing} published no plan digest within "
-                f"{self.timeouts.prepare} s"
+                f"{self.deadlines.prepare} s"
             ) from None
         if self.store.add(same, 0) == len(self.members):
             return
@@ -413,7 +400,7 @@ class Reconfiguration:
         self._advance((Phase.PREPARED,), Phase.SWITCHING)
         assert self.program is not None and self.union is not None
         begin = time.perf_counter()
-        deadline = time.monotonic() + self.timeouts.switch
+        deadline = time.monotonic() + self.deadlines.switch
         shadow, self.shadow = self.shadow, None
         host, self._host = self._host, None
         landings, self._landings = self._landings, {}

@@ -33,6 +33,7 @@ from torch.distributed import PrefixStore, Store
 from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
 
 from liveshard_core.errors import InvalidInput
+from liveshard_core.job import TrainingSettings
 from liveshard_core.layout.layout import Layout
 from liveshard_core.layout.region import partition
 from liveshard_core.vps.box import Box
@@ -40,7 +41,6 @@ from liveshard_core.vps.spec import ModelSpec, config_to_dict
 
 from ..engine.backend import sharded_tensor
 from ..engine.state import TORCH_DTYPES, ShardedState, placements
-from .settings import TrainingSettings
 from .trainer import Scalars
 
 METADATA = "liveshard.json"

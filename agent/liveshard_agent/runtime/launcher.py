@@ -48,20 +48,20 @@ from torch.distributed import TCPStore
 
 from liveshard_core.cli import parse_bytes
 from liveshard_core.errors import InvalidInput
+from liveshard_core.job import DEFAULT_BUDGET, Deadlines, JobConfig, TrainingSettings
+from liveshard_core.job.flags import add_training_flags, training_from_flags
 from liveshard_core.layout.layout import Degrees, Layout, parse_degrees
 from liveshard_core.vps.presets import resolve_model
-from liveshard_core.vps.spec import DType, ModelSpec
+from liveshard_core.vps.spec import ModelSpec
 
 from ..engine.errors import Cause
-from ..engine.switch import Timeouts
 from ..engine.world import StoreAddress
 from .loop import Command, Prepare, Start, Stop, run_member
 from .member import Change, Member
-from .settings import TrainingSettings
 from .trainer import StepRecord
 
 HOST = "127.0.0.1"
-LOCAL_TIMEOUTS = Timeouts(op=60.0, switch=120.0, prepare=300.0)
+LOCAL_DEADLINES = Deadlines(op=60.0, switch=120.0, prepare=300.0)
 
 
 @dataclass(frozen=True)
@@ -100,33 +100,53 @@ def parse_kill(text: str) -> ScriptedKill:
     return ScriptedKill(int(step), int(rank))
 
 
+def local_config(
+    model: str,
+    settings: TrainingSettings,
+    *,
+    device: str = "cpu",
+    precision: str | None = None,
+    budget: int = DEFAULT_BUDGET,
+) -> JobConfig:
+    """A local job's configuration: `model` a preset name or a JSON/YAML model file."""
+    return JobConfig(
+        model=resolve_model(model).config, precision=precision, device=device,
+        training=settings, deadlines=LOCAL_DEADLINES, budget_bytes=budget,
+    )  # fmt: skip
+
+
 @dataclass(frozen=True)
 class LocalJob:
-    model: str
+    config: JobConfig  # its device is set: cpu or cuda
     nprocs: int
     layout: Degrees
     switches: tuple[ScriptedSwitch, ...]
-    settings: TrainingSettings
-    device: str
-    budget: int = 256 << 20
-    timeouts: Timeouts = LOCAL_TIMEOUTS
     checksums: bool = False  # compare whole-state checksums around every switch (slower)
     checkpoint_dir: str | None = None  # save a checkpoint to DIR/step-N every checkpoint_every
     checkpoint_every: int = 0
     resume: str | None = None  # start from this checkpoint (written in any layout)
     record_samples: bool = False  # report the samples each replica fed in, every step
     hooks: str | None = None  # "module:function" making each member's SwitchHooks (tests)
-    precision: str | None = None  # "fp32" or "bf16"; default: fp32 on CPU, the spec's on GPUs
     kills: tuple[ScriptedKill, ...] = ()
 
+    @property
+    def settings(self) -> TrainingSettings:
+        return self.config.training
+
+    @property
+    def device(self) -> str:
+        return self.config.device or "cpu"
+
+    @property
+    def deadlines(self) -> Deadlines:
+        return self.config.deadlines
+
+    @property
+    def budget(self) -> int:
+        return self.config.budget_bytes
+
     def spec(self) -> ModelSpec:
-        """The model; by default on CPU its parameters are fp32 with no master copy (comparable
-        across layouts), on GPUs as the spec says (bf16 with an fp32 master)."""
-        spec = resolve_model(self.model)
-        precision = self.precision or ("fp32" if self.device == "cpu" else None)
-        if precision is None or spec.config.param_dtype is DType(precision):
-            return spec
-        return ModelSpec.from_config(dataclasses.replace(spec.config, param_dtype=DType(precision)))
+        return self.config.model_spec(self.device)
 
     def check(self) -> None:
         """Reject, before any process starts, a layout the model or the global batch cannot use."""
@@ -186,7 +206,7 @@ def _member_main(name: str, index: int, job: LocalJob, conn: Connection) -> None
             hooks = getattr(importlib.import_module(module), function)(name)
         member = Member(
             name=name, spec=job.spec(), settings=job.settings, device=device,
-            timeouts=job.timeouts, job="local", checksums=job.checksums, hooks=hooks,
+            deadlines=job.deadlines, job="local", checksums=job.checksums, hooks=hooks,
         )  # fmt: skip
         run_member(member, _PipeInbox(conn), _reporter(name, job, conn), _before_step(job))
     except BaseException as err:
@@ -267,7 +287,7 @@ class Driver:
         self.spec = job.spec()
         self.ctx = mp.get_context("spawn")
         self.store = TCPStore(
-            HOST, 0, None, True, timedelta(seconds=job.timeouts.op), wait_for_workers=False
+            HOST, 0, None, True, timedelta(seconds=job.deadlines.op), wait_for_workers=False
         )
         self.address = StoreAddress(HOST, self.store.port)
         self.processes: dict[str, _Process] = {}
@@ -513,7 +533,6 @@ def _printer(as_json: bool) -> Callable[[dict[str, Any]], None]:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="liveshard-local", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny", help="a preset name or a JSON/YAML model file")
-    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--nprocs", type=int, default=4, help="members at the start")
     parser.add_argument("--layout", help="the first layout (default dp=NPROCS)")
     parser.add_argument("--switch", action="append", default=[], metavar="STEP:LAYOUT",
@@ -521,13 +540,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--kill", action="append", default=[], metavar="STEP:RANK",
                         help="the member at RANK kills its process as it begins step STEP "
                              "(repeatable): the job recovers from surviving copies")  # fmt: skip
-    parser.add_argument("--data", help="a file whose bytes are the training text")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--global-batch", type=int, default=TrainingSettings.global_batch)
-    parser.add_argument("--micro-batch", type=int, default=TrainingSettings.micro_batch)
-    parser.add_argument("--seq-len", type=int, default=TrainingSettings.seq_len)
-    parser.add_argument("--lr", type=float, default=TrainingSettings.lr)
-    parser.add_argument("--dropout", type=float, default=TrainingSettings.dropout)
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
                         help="default: cuda when available, else cpu")  # fmt: skip
     parser.add_argument(
@@ -545,24 +557,22 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume", metavar="DIR",
                         help="start from a checkpoint (saved in any layout)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="JSON lines even on a terminal")
+    add_training_flags(parser, defaults={"steps": 60})
     return parser
 
 
 def job_from_args(args: argparse.Namespace) -> LocalJob:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    settings = TrainingSettings(
-        global_batch=args.global_batch, micro_batch=args.micro_batch, seq_len=args.seq_len,
-        steps=args.steps, seed=args.seed, lr=args.lr, min_lr=min(args.lr / 10, args.lr),
-        dropout=args.dropout, data=args.data,
-    )  # fmt: skip
     layout = parse_degrees(args.layout) if args.layout else Degrees(dp=args.nprocs)
+    config = local_config(
+        args.model, training_from_flags(args), device=device, precision=args.precision,
+        budget=parse_bytes(args.budget),
+    )  # fmt: skip
     return LocalJob(
-        model=args.model, nprocs=args.nprocs, layout=layout,
-        switches=tuple(parse_switch(s) for s in args.switch), settings=settings, device=device,
-        budget=parse_bytes(args.budget), checksums=args.checksums,
+        config=config, nprocs=args.nprocs, layout=layout,
+        switches=tuple(parse_switch(s) for s in args.switch), checksums=args.checksums,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-        resume=args.resume, precision=args.precision,
-        kills=tuple(parse_kill(k) for k in args.kill),
+        resume=args.resume, kills=tuple(parse_kill(k) for k in args.kill),
     )  # fmt: skip
 
 

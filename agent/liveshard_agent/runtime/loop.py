@@ -107,7 +107,7 @@ def run_member(
     breaks, `("done", ...)` once when the job has trained its last step, and `("error", ...)` for
     a refused command. `before_step` runs before each step (a periodic checkpoint requested there
     is agreed in that very step)."""
-    stores = _Stores(member.timeouts.op)
+    stores = _Stores(member.deadlines.op)
     finished = False
     while True:
         busy = member.training and not member.done and member.broken is None

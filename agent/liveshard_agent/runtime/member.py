@@ -46,17 +46,17 @@ import torch
 from torch.distributed import ReduceOp, Store
 
 from liveshard_core.errors import InvalidInput, NoSurvivingCopy
+from liveshard_core.job import Deadlines, TrainingSettings
 from liveshard_core.layout.layout import Layout
 from liveshard_core.vps.spec import ModelSpec
 
 from ..engine.checksum import Checksums
 from ..engine.errors import Cause
 from ..engine.record import context_logger
-from ..engine.switch import Reconfiguration, SwitchHooks, SwitchResult, Timeouts
+from ..engine.switch import Reconfiguration, SwitchHooks, SwitchResult
 from ..engine.world import Axis, World, close_in_background
 from . import checkpoint, comm
 from .data import Dataset, load_corpus
-from .settings import TrainingSettings
 from .trainer import Scalars, StepRecord, Trainer, initial_state
 
 log = logging.getLogger(__name__)
@@ -192,7 +192,7 @@ class Member:
         settings: TrainingSettings,
         device: torch.device,
         store: Store | None = None,
-        timeouts: Timeouts | None = None,
+        deadlines: Deadlines | None = None,
         hooks: SwitchHooks | None = None,
         job: str = "",
         checksums: bool = False,
@@ -200,7 +200,7 @@ class Member:
         self.name, self.spec, self.settings = name, spec, settings
         self.device, self.job = device, job
         self._store = store
-        self.timeouts = timeouts or Timeouts()
+        self.deadlines = deadlines or Deadlines()
         self.hooks = hooks or SwitchHooks()
         self.checksums = checksums  # compare whole-state checksum totals around each switch
         self.dataset = Dataset(load_corpus(settings.data), settings.seq_len, settings.seed)
@@ -272,7 +272,7 @@ class Member:
         world = self._world(layout, epoch)
         state, scalars = checkpoint.load(
             self.spec, layout, layout.rank_of(self.name), self.device, directory,
-            store=self.store, prefix=f"liveshard/{epoch}/restore", timeout=self.timeouts.prepare,
+            store=self.store, prefix=f"liveshard/{epoch}/restore", timeout=self.deadlines.prepare,
         )  # fmt: skip
         self._train(state, world, scalars)
 
@@ -284,7 +284,7 @@ class Member:
         self._set_epoch(epoch)
         return World.build(
             self.store, epoch=epoch, layout=layout, member=self.name, device=self.device,
-            timeout=self.timeouts.op,
+            timeout=self.deadlines.op,
         )  # fmt: skip
 
     def _set_epoch(self, epoch: int) -> None:
@@ -376,7 +376,7 @@ class Member:
         checkpoint.save(
             trainer.state, trainer.scalars, self.settings, directory, store=self.store,
             prefix=f"liveshard/{self.epoch}/checkpoint/{trainer.scalars.step}",
-            timeout=self.timeouts.prepare,
+            timeout=self.deadlines.prepare,
         )  # fmt: skip
         return time.perf_counter() - start
 
@@ -419,7 +419,7 @@ class Member:
         self.settings.micro_batches(change.new.dp)  # refuse a layout the global batch cannot fill
         reconfig = Reconfiguration(
             spec=self.spec, old=change.old, new=change.new, member=self.name, store=self.store,
-            epoch=change.epoch, device=self.device, budget=change.budget, timeouts=self.timeouts,
+            epoch=change.epoch, device=self.device, budget=change.budget, deadlines=self.deadlines,
             lost=change.lost, verify=change.verify, job=self.job,
             hooks=SwitchHooks(self.hooks.before_round, self._before_vote),
         )  # fmt: skip
@@ -501,9 +501,9 @@ class Member:
         announcement = self._announcement(pending.change.epoch, wait=False)
         if announcement is None:
             self._joining_since = self._joining_since or start
-            if start - self._joining_since < self.timeouts.prepare:
+            if start - self._joining_since < self.deadlines.prepare:
                 return None
-            announcement = {"abort": f"no switch was announced within {self.timeouts.prepare} s"}
+            announcement = {"abort": f"no switch was announced within {self.deadlines.prepare} s"}
         if "abort" in announcement:
             cause = Cause(announcement.get("cause", Cause.VOTE_NO.value))
             return self.drop(pending.change.epoch, announcement["abort"], cause)
@@ -563,12 +563,12 @@ class Member:
             return
         keys = {m: f"liveshard/{change.epoch}/broken/{m}" for m in survivors}
         if not self.store.check(list(keys.values())):
-            if time.perf_counter() - self._broken_at < self.timeouts.prepare:
+            if time.perf_counter() - self._broken_at < self.deadlines.prepare:
                 return
             missing = [m for m, key in keys.items() if not self.store.check([key])]
             self._announce(change.epoch, {
                 "abort": f"survivors {missing} did not say where their world broke within "
-                         f"{self.timeouts.prepare} s", "cause": Cause.DEADLINE_PASSED.value,
+                         f"{self.deadlines.prepare} s", "cause": Cause.DEADLINE_PASSED.value,
             })  # fmt: skip
             return
         reports = {m: json.loads(self.store.get(key)) for m, key in keys.items()}

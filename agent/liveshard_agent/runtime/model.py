@@ -18,6 +18,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
+from liveshard_core.job import TrainingSettings
 from liveshard_core.vps.spec import ModelSpec
 
 from ..engine.backend import Group
@@ -25,7 +26,6 @@ from ..engine.world import Axis
 from . import comm, rng
 from .data import Batch
 from .moe import moe_forward
-from .settings import TrainingSettings
 from .weights import Weights
 
 _EPS = 1e-6

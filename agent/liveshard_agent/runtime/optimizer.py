@@ -26,12 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
+from liveshard_core.job import TrainingSettings
 from liveshard_core.vps.spec import StateKind
 
 from ..engine.backend import Group
 from ..engine.world import Axis
 from . import comm
-from .settings import TrainingSettings
 from .weights import Weight, Weights, box_view
 
 

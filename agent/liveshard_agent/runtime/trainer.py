@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from liveshard_core.errors import InvalidInput
+from liveshard_core.job import TrainingSettings
 from liveshard_core.layout.layout import Layout
 from liveshard_core.vps.spec import ModelSpec, Param, StateKind
 
@@ -26,7 +27,6 @@ from .data import Dataset
 from .model import StageModel
 from .optimizer import Optimizer
 from .pipeline import StepStats, train_step
-from .settings import TrainingSettings
 from .weights import Weights
 
 

@@ -9,7 +9,6 @@ it is released or killed. This module wires the parts; it holds no training or A
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from dataclasses import replace
@@ -17,14 +16,14 @@ from dataclasses import replace
 import torch
 
 from liveshard_core.errors import InvalidInput
+from liveshard_core.job import Deadlines
 from liveshard_core.layout.layout import Layout
 
 from ..engine.record import context_logger
-from ..engine.switch import Timeouts
 from ..engine.world import host_store
 from ..runtime.loop import run_member
 from ..runtime.member import Member
-from .config import AgentConfig, ConfigError, Deadlines
+from .config import AgentConfig, ConfigError
 from .inbox import CommandInbox
 from .reporter import Reporter, observe
 from .requests import Job
@@ -58,11 +57,11 @@ def serve(config: AgentConfig, board: StatusBoard) -> int:
     """Run the agent until it is released; the exit status (0, or 1 if its member failed)."""
     job_config = config.job_config
     device = device_of(job_config.device)
-    spec = job_config.spec(device.type)
+    spec = job_config.model_spec(device.type)
     try:
         member = Member(
             name=config.member, spec=spec, settings=job_config.training, device=device,
-            timeouts=_timeouts(job_config.deadlines), job=config.job,
+            deadlines=job_config.deadlines, job=config.job,
         )  # fmt: skip
     except InvalidInput as err:  # the data file: missing, or too short for the sequence length
         raise ConfigError(f"LIVESHARD_CONFIG: training: {err}") from None
@@ -71,7 +70,7 @@ def serve(config: AgentConfig, board: StatusBoard) -> int:
     inbox = CommandInbox(reporter.boundary)
 
     def use_deadlines(deadlines: Deadlines) -> None:  # on the loop's thread, between commands
-        member.timeouts = _timeouts(deadlines)
+        member.deadlines = deadlines
 
     service = AgentService(
         job=Job(config.member, spec, job_config.training, job_config.deadlines,
@@ -104,7 +103,3 @@ def serve(config: AgentConfig, board: StatusBoard) -> int:
         server.stop(_STOP_GRACE).wait()
     reporter.log.info("released: exiting with status %s", status)
     return status
-
-
-def _timeouts(deadlines: Deadlines) -> Timeouts:
-    return Timeouts(**dataclasses.asdict(deadlines))

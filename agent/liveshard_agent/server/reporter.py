@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from liveshard_core.job import Cause, Result
 from liveshard_core.layout.layout import Layout
 
 from ..engine.record import ContextLogger, context_logger
@@ -135,8 +136,9 @@ class Reporter:
 
 def _switch_summary(event: dict[str, Any]) -> SwitchSummary:
     return SwitchSummary(
-        epoch=event["epoch"], step=event["step"], result=event["result"],
-        cause=event["cause"] or "", reason=event["reason"], from_layout=event["from_layout"],
+        epoch=event["epoch"], step=event["step"], result=Result(event["result"]),
+        cause=Cause(event["cause"]) if event["cause"] else None, reason=event["reason"],
+        from_layout=event["from_layout"],
         to_layout=event["to_layout"], pause_seconds=event["pause_seconds"],
         prepare_seconds=event["prepare_seconds"], network_bytes=event["network_bytes"],
     )  # fmt: skip

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from liveshard.v1 import agent_pb2 as pb
 from liveshard_core.errors import InvalidInput
+from liveshard_core.job import Deadlines, TrainingSettings
 from liveshard_core.layout.layout import Layout
 from liveshard_core.vps.spec import ModelSpec
 
@@ -21,8 +22,6 @@ from ..engine.world import StoreAddress
 from ..runtime import checkpoint
 from ..runtime.loop import Prepare, Start
 from ..runtime.member import Change
-from ..runtime.settings import TrainingSettings
-from .config import Deadlines
 
 _NAME_MAX = 253  # a Kubernetes object name's limit
 

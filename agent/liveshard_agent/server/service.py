@@ -22,13 +22,13 @@ from typing import Protocol
 
 from liveshard.v1 import agent_pb2 as pb
 from liveshard_core.errors import InvalidInput
+from liveshard_core.job import Deadlines, Result
 from liveshard_core.layout.layout import Layout
 
 from ..engine.record import ContextLogger, context_logger
 from ..engine.world import StoreAddress
 from ..runtime.loop import CheckpointAt, Drop, Prepare, Start, Stop, SwitchAt
 from . import requests
-from .config import Deadlines
 from .errors import NotNow, Refused
 from .inbox import CommandInbox, Ticket
 from .status import Claim, ClaimKind, PendingState, Phase, Snapshot, StatusBoard
@@ -326,7 +326,7 @@ def _nothing_to_abort(epoch: int, snapshot: Snapshot, refusal: str | None = None
     """Return when epoch `epoch` will not switch here; raise Refused when it already has."""
     last = snapshot.last_switch
     if last is not None and last.epoch == epoch:
-        if last.result == "committed":
+        if last.result is Result.COMMITTED:
             raise Refused(f"epoch {epoch} switched (committed at step {last.step})")
         return  # given up before
     if epoch <= snapshot.observed.epoch:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from liveshard.v1 import agent_pb2 as pb
+from liveshard_core.job import Cause, Result
 from liveshard_core.layout.layout import Layout
 
 
@@ -84,8 +85,8 @@ class Claim:
 class SwitchSummary:
     epoch: int
     step: int
-    result: str  # committed or aborted
-    cause: str
+    result: Result
+    cause: Cause | None  # None when committed
     reason: str
     from_layout: str
     to_layout: str
@@ -171,9 +172,12 @@ class Snapshot:
             )  # fmt: skip
         if self.last_switch is not None:
             s = self.last_switch
+            cause = s.cause.name if s.cause else "CAUSE_UNSPECIFIED"
             status.last_switch.CopyFrom(
                 pb.SwitchSummary(
-                    epoch=s.epoch, step=s.step, result=s.result, cause=s.cause, reason=s.reason,
+                    epoch=s.epoch, step=s.step, reason=s.reason,
+                    result=pb.SwitchSummary.Result.Value(s.result.name),
+                    cause=pb.SwitchSummary.Cause.Value(cause),
                     to=s.to_layout, pause_seconds=s.pause_seconds,
                     prepare_seconds=s.prepare_seconds, network_bytes=s.network_bytes,
                     **{"from": s.from_layout},

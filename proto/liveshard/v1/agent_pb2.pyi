@@ -206,6 +206,34 @@ class Pending(_message.Message):
 
 class SwitchSummary(_message.Message):
     __slots__ = ("epoch", "step", "result", "cause", "reason", "to", "pause_seconds", "prepare_seconds", "network_bytes")
+    class Result(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        RESULT_UNSPECIFIED: _ClassVar[SwitchSummary.Result]
+        COMMITTED: _ClassVar[SwitchSummary.Result]
+        ABORTED: _ClassVar[SwitchSummary.Result]
+    RESULT_UNSPECIFIED: SwitchSummary.Result
+    COMMITTED: SwitchSummary.Result
+    ABORTED: SwitchSummary.Result
+    class Cause(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        CAUSE_UNSPECIFIED: _ClassVar[SwitchSummary.Cause]
+        PEER_FAILED: _ClassVar[SwitchSummary.Cause]
+        DEADLINE_PASSED: _ClassVar[SwitchSummary.Cause]
+        VOTE_NO: _ClassVar[SwitchSummary.Cause]
+        CHECKSUM_MISMATCH: _ClassVar[SwitchSummary.Cause]
+        VOTE_INCOMPLETE: _ClassVar[SwitchSummary.Cause]
+        PLAN_MISMATCH: _ClassVar[SwitchSummary.Cause]
+        NO_COMMON_STATE: _ClassVar[SwitchSummary.Cause]
+        NO_SURVIVING_COPY: _ClassVar[SwitchSummary.Cause]
+    CAUSE_UNSPECIFIED: SwitchSummary.Cause
+    PEER_FAILED: SwitchSummary.Cause
+    DEADLINE_PASSED: SwitchSummary.Cause
+    VOTE_NO: SwitchSummary.Cause
+    CHECKSUM_MISMATCH: SwitchSummary.Cause
+    VOTE_INCOMPLETE: SwitchSummary.Cause
+    PLAN_MISMATCH: SwitchSummary.Cause
+    NO_COMMON_STATE: SwitchSummary.Cause
+    NO_SURVIVING_COPY: SwitchSummary.Cause
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
@@ -218,14 +246,14 @@ class SwitchSummary(_message.Message):
     NETWORK_BYTES_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     step: int
-    result: str
-    cause: str
+    result: SwitchSummary.Result
+    cause: SwitchSummary.Cause
     reason: str
     to: str
     pause_seconds: float
     prepare_seconds: float
     network_bytes: int
-    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., result: _Optional[str] = ..., cause: _Optional[str] = ..., reason: _Optional[str] = ..., to: _Optional[str] = ..., pause_seconds: _Optional[float] = ..., prepare_seconds: _Optional[float] = ..., network_bytes: _Optional[int] = ..., **kwargs) -> None: ...
+    def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., result: _Optional[_Union[SwitchSummary.Result, str]] = ..., cause: _Optional[_Union[SwitchSummary.Cause, str]] = ..., reason: _Optional[str] = ..., to: _Optional[str] = ..., pause_seconds: _Optional[float] = ..., prepare_seconds: _Optional[float] = ..., network_bytes: _Optional[int] = ..., **kwargs) -> None: ...
 
 class CheckpointSummary(_message.Message):
     __slots__ = ("number", "step", "path", "seconds")

@@ -20,10 +20,10 @@ from liveshard_agent.engine.checksum import Checksums
 from liveshard_agent.engine.errors import PlanMismatch
 from liveshard_agent.engine.state import ShardedState
 from liveshard_agent.engine.switch import (
+    Deadlines,
     MemoryMode,
     Reconfiguration,
     SwitchHooks,
-    Timeouts,
     Verification,
 )
 from liveshard_agent.engine.world import (
@@ -132,7 +132,7 @@ def switch(
     seed: int = 1,
     budget: int = 1 << 20,
     fault: tuple[str, int, float] | None = None,
-    timeouts: tuple[float, float, float] = (10, 20, 30),
+    deadlines: tuple[float, float, float] = (10, 20, 30),
     keep: bool = False,
     train: bool = False,
     lost: tuple[str, ...] = (),
@@ -157,7 +157,7 @@ def switch(
     before_bytes = state.nbytes if state is not None else 0
     reconfig = Reconfiguration(
         spec=spec, old=old_layout, new=new_layout, member=member, store=store, epoch=epoch,
-        device=CPU, budget=budget, timeouts=Timeouts(*timeouts), lost=frozenset(lost),
+        device=CPU, budget=budget, deadlines=Deadlines(*deadlines), lost=frozenset(lost),
         verify=Verification(verify) if isinstance(verify, str) else verify,
         memory=MemoryMode(memory), job="test", hooks=inject(fault),
     )  # fmt: skip

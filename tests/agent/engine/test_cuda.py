@@ -18,7 +18,8 @@ from torch.distributed import HashStore  # noqa: E402
 
 from liveshard_agent.engine.checksum import Checksums  # noqa: E402
 from liveshard_agent.engine.state import ShardedState  # noqa: E402
-from liveshard_agent.engine.switch import Reconfiguration, Timeouts  # noqa: E402
+from liveshard_agent.engine.switch import Reconfiguration  # noqa: E402
+from liveshard_core.job import Deadlines  # noqa: E402
 from liveshard_core.layout.layout import Layout  # noqa: E402
 from liveshard_core.vps.presets import preset  # noqa: E402
 
@@ -40,7 +41,7 @@ def test_a_switch_commits_over_nccl() -> None:
     new = Layout.create(TINY, ["m0"], zero=1)
     reconfig = Reconfiguration(
         spec=TINY, old=old, new=new, member="m0", store=HashStore(), epoch=1, device=CUDA,
-        budget=1 << 20, timeouts=Timeouts(30, 60, 90),
+        budget=1 << 20, deadlines=Deadlines(30, 60, 90),
     )  # fmt: skip
     reconfig.prepare()
     result = reconfig.switch(ShardedState.seeded(TINY, old, 0, 3, CUDA))

@@ -87,7 +87,7 @@ def test_killed_peer_aborts_survivors_then_they_recover_without_it(pool: Pool) -
     old, new = ("dp=4", names(4)), ("tp=2,dp=2,zero=1", ["m0", "m1", "m2", "m4"])
     deadline = 6.0
     results = run_switch(pool, "tiny", old, new, faults={"m2": ("exit", 0, 0)},
-                         budget=16 << 10, timeouts=(5, deadline, 30))  # fmt: skip
+                         budget=16 << 10, deadlines=(5, deadline, 30))  # fmt: skip
     assert isinstance(results["m2"], Died)
     survivors = {m: r for m, r in results.items() if m != "m2"}
     _assert_all_aborted_intact(survivors)
@@ -109,7 +109,7 @@ def test_stalled_peer_aborts_at_the_deadline(pool: Pool) -> None:
     old, new = ("dp=2,zero=1", names(2)), ("dp=3,zero=1", names(3))
     deadline = 3.0
     results = run_switch(pool, "tiny", old, new, faults={"m1": ("stall", 0, deadline + 2)},
-                         timeouts=(2, deadline, 30))  # fmt: skip
+                         deadlines=(2, deadline, 30))  # fmt: skip
     _assert_all_aborted_intact(results)
     others = [r for m, r in results.items() if m != "m1"]
     # Members waiting on m1 pass the deadline naming it; the others' vote cannot complete.
@@ -130,7 +130,7 @@ def test_plan_mismatch_is_caught_before_any_byte_moves(pool: Pool) -> None:
     for i, m in enumerate(names(4)):
         new = ("tp=2,dp=2", names(4)) if m == "m3" else ("dp=4,zero=1", names(4))
         tasks[i] = ("switch", dict(member=m, port=port, epoch=1000, model="tiny", old=old,
-                                   new=new, timeouts=(5, 10, 10)))  # fmt: skip
+                                   new=new, deadlines=(5, 10, 10)))  # fmt: skip
     results = pool.run(tasks)
     for r in results.values():
         assert r.get("mismatch"), r
@@ -267,7 +267,7 @@ def test_members_that_disagree_about_the_budget_or_verification_are_refused(pool
     old, new = ("dp=2,zero=1", names(2)), ("dp=3,zero=1", names(3))
     for differ in ({"budget": 8 << 10}, {"verify": "none"}):
         results = run_switch(pool, "tiny", old, new, budget=16 << 10, verify="moved",
-                             timeouts=(5, 10, 10), only={"m2": differ})  # fmt: skip
+                             deadlines=(5, 10, 10), only={"m2": differ})  # fmt: skip
         for member, r in results.items():
             assert r.get("mismatch"), r
             assert r["cause"] == "plan_mismatch"

@@ -24,8 +24,9 @@ from liveshard_agent.engine.errors import (  # noqa: E402
     TransferError,
 )
 from liveshard_agent.engine.state import ShardedState  # noqa: E402
-from liveshard_agent.engine.switch import Phase, Reconfiguration, Timeouts  # noqa: E402
+from liveshard_agent.engine.switch import Phase, Reconfiguration  # noqa: E402
 from liveshard_core.errors import InvalidInput, PermanentError, RetryableError  # noqa: E402
+from liveshard_core.job import Deadlines  # noqa: E402
 from liveshard_core.layout.layout import Layout  # noqa: E402
 from liveshard_core.vps.presets import preset  # noqa: E402
 
@@ -35,7 +36,7 @@ SOLO = Layout.create(TINY, ["m0"])
 
 
 def solo(store: HashStore, epoch: int, **kwargs: object) -> Reconfiguration:
-    options = {"timeouts": Timeouts(2, 5, 10), **kwargs}
+    options = {"deadlines": Deadlines(2, 5, 10), **kwargs}
     return Reconfiguration(
         spec=TINY, old=SOLO, new=SOLO, member="m0", store=store, epoch=epoch, device=CPU,
         budget=1 << 20, job="unit", **options,  # type: ignore[arg-type]
@@ -91,7 +92,7 @@ def test_prepare_is_bounded_by_its_deadline() -> None:
     new = Layout.create(TINY, ["m0", "m1"], dp=2)
     reconfig = Reconfiguration(
         spec=TINY, old=old, new=new, member="m0", store=HashStore(), epoch=1, device=CPU,
-        budget=1 << 20, timeouts=Timeouts(0.5, 1, 1.5),
+        budget=1 << 20, deadlines=Deadlines(0.5, 1, 1.5),
     )  # fmt: skip
     start = time.monotonic()
     future = reconfig.prepare_in_background()

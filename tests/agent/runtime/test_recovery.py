@@ -25,9 +25,9 @@ from liveshard_agent.runtime import optimizer as optimizer_module
 from liveshard_agent.runtime.data import Dataset, load_corpus
 from liveshard_agent.runtime.launcher import ScriptedKill, parse_kill, run_job
 from liveshard_agent.runtime.member import recovery_decision
-from liveshard_agent.runtime.settings import TrainingSettings
 from liveshard_agent.runtime.trainer import Scalars, Trainer, initial_state
 from liveshard_core.errors import InvalidInput
+from liveshard_core.job import TrainingSettings
 from liveshard_core.layout.layout import Layout
 from liveshard_core.vps.presets import preset
 from tests.agent.runtime.test_training import assert_same_training, job, switches

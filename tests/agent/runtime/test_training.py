@@ -26,8 +26,14 @@ import pytest
 
 pytest.importorskip("torch", reason="the runtime needs torch (the agent extra)")
 
-from liveshard_agent.runtime.launcher import LocalJob, ScriptedSwitch, parse_switch, run_job
-from liveshard_agent.runtime.settings import TrainingSettings
+from liveshard_agent.runtime.launcher import (
+    LocalJob,
+    ScriptedSwitch,
+    local_config,
+    parse_switch,
+    run_job,
+)
+from liveshard_core.job import TrainingSettings
 from liveshard_core.layout.layout import parse_degrees
 
 STEPS = 30
@@ -39,9 +45,12 @@ LIVESHARD_LOCAL = Path(sys.executable).parent / "liveshard-local"
 def job(model: str, layout: str, *switches: str | ScriptedSwitch, **options: Any) -> LocalJob:
     degrees = parse_degrees(layout)
     return LocalJob(
-        model=model, nprocs=degrees.world_size, layout=degrees,
+        config=local_config(
+            model, options.pop("settings", SETTINGS), precision=options.pop("precision", None)
+        ),
+        nprocs=degrees.world_size, layout=degrees,
         switches=tuple(parse_switch(s) if isinstance(s, str) else s for s in switches),
-        settings=options.pop("settings", SETTINGS), device="cpu", checksums=True,
+        checksums=True,
         record_samples=True, **options,
     )  # fmt: skip
 

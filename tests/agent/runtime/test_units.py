@@ -9,8 +9,8 @@ torch = pytest.importorskip("torch", reason="the runtime needs torch (the agent 
 from liveshard_agent.runtime import rng  # noqa: E402
 from liveshard_agent.runtime.data import Dataset, builtin_corpus, load_corpus  # noqa: E402
 from liveshard_agent.runtime.model import dropout_keep  # noqa: E402
-from liveshard_agent.runtime.settings import TrainingSettings  # noqa: E402
 from liveshard_agent.runtime.trainer import Scalars  # noqa: E402
+from liveshard_core.job import TrainingSettings  # noqa: E402
 
 
 def test_builtin_corpus_is_fixed_text() -> None:

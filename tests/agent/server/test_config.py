@@ -11,8 +11,9 @@ import pytest
 
 pytest.importorskip("grpc", reason="the agent's server needs grpc (the agent extra)")
 
-from liveshard_agent.server.config import Deadlines, load, parse_job_config
+from liveshard_agent.server.config import load
 from liveshard_core.errors import InvalidInput
+from liveshard_core.job import Deadlines, JobConfig
 from liveshard_core.vps.spec import DType
 
 from .agents import AGENT, CONFIG, agent_env
@@ -20,7 +21,7 @@ from .agents import AGENT, CONFIG, agent_env
 
 def test_a_full_configuration_is_parsed() -> None:
     """No process."""
-    config = parse_job_config(json.dumps({
+    config = JobConfig.from_json(json.dumps({
         "model": {"spec": {"name": "m", "vocab": 64, "hidden": 32, "layers": 2, "heads": 2,
                            "kv_heads": 1, "head_dim": 16, "ffn": 64}},
         "precision": "bf16", "device": "cpu",
@@ -30,10 +31,10 @@ def test_a_full_configuration_is_parsed() -> None:
     assert config.model.name == "m" and config.training.steps == 7
     assert config.training.lr == 1.0 and isinstance(config.training.lr, float)
     assert config.deadlines == Deadlines(5.0, 10.0, 20.0)
-    assert config.spec("cpu").config.param_dtype is DType.BF16  # a given precision wins
-    tiny = parse_job_config('{"model": {"preset": "tiny"}}')
-    assert tiny.spec("cpu").config.param_dtype is DType.FP32  # CPU default: fp32, no master
-    assert tiny.spec("cuda").config.param_dtype is DType.BF16  # the model's own on GPUs
+    assert config.model_spec("cpu").config.param_dtype is DType.BF16  # a given precision wins
+    tiny = JobConfig.from_json('{"model": {"preset": "tiny"}}')
+    assert tiny.model_spec("cpu").config.param_dtype is DType.FP32  # CPU default: fp32, no master
+    assert tiny.model_spec("cuda").config.param_dtype is DType.BF16  # the model's own on GPUs
     assert tiny.deadlines == Deadlines() and tiny.budget_bytes == 256 << 20
 
 
@@ -71,7 +72,7 @@ def test_flags_override_the_environment_but_the_token_has_none() -> None:
 def test_bad_job_configurations_name_the_field(text: str, names: str) -> None:
     """No process."""
     with pytest.raises(InvalidInput) as err:
-        parse_job_config(text)
+        JobConfig.from_json(text)
     assert names in str(err.value)
 
 

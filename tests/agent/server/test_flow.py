@@ -70,12 +70,14 @@ def prepare(to: list[Agent], request: pb.PrepareRequest) -> None:
         agent.call("Prepare", request)
 
 
-def switched(agents_: list[Agent], epoch: int, result: str = "committed") -> list[pb.AgentStatus]:
+def switched(
+    agents_: list[Agent], epoch: int, result: int = pb.SwitchSummary.COMMITTED
+) -> list[pb.AgentStatus]:
     out = []
     for agent in agents_:
         status = agent.wait_for(
             f"the switch of epoch {epoch}",
-            lambda s: s.last_switch.epoch == epoch and s.last_switch.result != "",
+            lambda s: s.last_switch.epoch == epoch and s.last_switch.result != 0,
         )
         assert status.last_switch.result == result, status
         out.append(status)
@@ -158,7 +160,7 @@ def test_a_job_grows_shrinks_aborts_checkpoints_and_drains(
     for agent in (a0, a2, a1):
         agent.call("Abort", pb.AbortRequest(epoch=3))
         agent.call("Abort", pb.AbortRequest(epoch=3))  # again: already done
-    for status in switched([a0, a2], 3, "aborted"):
+    for status in switched([a0, a2], 3, pb.SwitchSummary.ABORTED):
         assert status.epoch == 2 and status.layout == shrunk and not status.HasField("pending")
     assert a1.wait_for("no pending", lambda s: not s.HasField("pending")).phase == Phase.STANDBY
     err = a0.refused("Prepare", attempt)

@@ -1,0 +1,158 @@
+"""Training settings: the global batch, micro-batches, the schedule of the learning rate, the seed.
+
+The global batch is fixed for the whole job: a layout's data-parallel degree only changes how many
+micro-batches each replica runs (`micro_batches`). A layout whose global batch does not divide into
+dp x micro-batch is rejected before any byte moves, with an error naming the numbers.
+
+Each field is one setting everywhere: `spec.training.<camelCase>` in the CRD, `--<kebab-case>` of
+`liveshard-local` (see `flags`), the field's own name in the agent's JSON. Its `help` metadata is
+the flag's help text.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from ..errors import InvalidInput
+
+
+def _setting(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class TrainingSettings:
+    """What a job trains with; identical on every member (part of every switch's agreement)."""
+
+    global_batch: int = _setting(24, "samples per step, whatever the layout")
+    micro_batch: int = _setting(2, "samples per micro-batch; must divide the global batch")
+    seq_len: int = _setting(64, "tokens per sample")
+    steps: int = _setting(100, "training steps")
+    seed: int = _setting(0, "seeds the data order, initialisation and dropout")
+    lr: float = _setting(3e-3, "peak learning rate")
+    min_lr: float | None = _setting(None, "learning rate at the last step (default: lr / 10)")
+    warmup_steps: int = _setting(10, "steps of linear warm-up")
+    weight_decay: float = _setting(0.1, "AdamW weight decay")
+    beta1: float = _setting(0.9, "Adam beta1")
+    beta2: float = _setting(0.95, "Adam beta2")
+    eps: float = _setting(1e-8, "Adam epsilon")
+    clip_norm: float = _setting(1.0, "clip the gradient to this global norm")
+    dropout: float = _setting(
+        0.0, "dropout on each residual branch's output, from counter-based randomness"
+    )
+    aux_loss_coef: float = _setting(0.01, "weight of the MoE load-balancing loss")
+    data: str | None = _setting(
+        None, "a file whose bytes are the training text (default: built in)"
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch", "micro_batch", "seq_len", "steps"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise InvalidInput(f"training: {name}={value!r} must be an integer >= 1")
+        if self.global_batch % self.micro_batch:
+            raise InvalidInput(
+                f"training: micro_batch={self.micro_batch} must divide "
+                f"global_batch={self.global_batch}"
+            )
+        if not 0 <= self.dropout < 1:
+            raise InvalidInput(f"training: dropout={self.dropout} must be in [0, 1)")
+        if self.min_lr is None:
+            object.__setattr__(self, "min_lr", self.lr / 10)
+        if self.lr <= 0 or self.final_lr < 0 or self.final_lr > self.lr:
+            raise InvalidInput(
+                f"training: need 0 <= min_lr ({self.min_lr}) <= lr ({self.lr}) and lr > 0"
+            )
+
+    @property
+    def final_lr(self) -> float:
+        """The learning rate at the last step (`min_lr`, resolved)."""
+        return self.lr / 10 if self.min_lr is None else self.min_lr
+
+    def micro_batches(self, dp: int) -> int:
+        """Micro-batches each of `dp` replicas runs per step; InvalidInput if they do not divide."""
+        per_step = dp * self.micro_batch
+        if self.global_batch % per_step:
+            raise InvalidInput(
+                f"global batch {self.global_batch} does not divide into dp={dp} replicas x "
+                f"micro-batches of {self.micro_batch} samples ({per_step} per round); choose a "
+                f"dp that divides {self.global_batch // self.micro_batch}"
+            )
+        return self.global_batch // per_step
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+    def learning_rate(self, step: int) -> float:
+        """Linear warm-up, then cosine decay to `min_lr` at the last step."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        span = max(self.steps - self.warmup_steps, 1)
+        progress = min((step - self.warmup_steps) / span, 1.0)
+        low = self.final_lr
+        return low + 0.5 * (self.lr - low) * (1 + math.cos(math.pi * progress))
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(
+        cls, data: Any, where: str = "training", key: Callable[[str], str] = lambda name: name
+    ) -> TrainingSettings:
+        """The settings from a mapping whose keys are `key(field name)` (the field names, or
+        the CRD's camelCase); a missing key takes the default. Errors name `where.key`."""
+        if not isinstance(data, dict):
+            raise InvalidInput(f"{where} must be an object of settings, got {type(data).__name__}")
+        by_key = {key(f.name): f for f in fields(cls)}
+        unknown = sorted(set(data) - set(by_key))
+        if unknown:
+            raise InvalidInput(
+                f"{where}: unknown field(s) {unknown}; valid fields: {sorted(by_key)}"
+            )
+        values = {
+            by_key[name].name: _typed(raw, by_key[name].type, f"{where}.{name}")
+            for name, raw in data.items()
+        }
+        try:
+            return cls(**values)
+        except InvalidInput as err:
+            message = str(err).removeprefix("training: ")
+            for name in values:
+                message = message.replace(f"{name}=", f"{key(name)}=")
+            raise InvalidInput(f"{where}.{message}") from None
+
+
+def setting_type(annotation: Any) -> type:
+    """The value type of a setting's annotation (`int`, `float` or `str`)."""
+    text = str(annotation)
+    for kind in (int, float, str):
+        if text.startswith(kind.__name__):
+            return kind
+    raise TypeError(f"a setting of type {text} has no parser")
+
+
+def _typed(raw: Any, annotation: Any, where: str) -> Any:
+    kind, optional = setting_type(annotation), "None" in str(annotation)
+    if raw is None and optional:
+        return None
+    if kind is int:
+        if type(raw) is not int:
+            raise InvalidInput(f"{where}={raw!r} must be an integer")
+        return raw
+    if kind is float:
+        if type(raw) not in (int, float) or not math.isfinite(raw):
+            raise InvalidInput(f"{where}={raw!r} must be a number")
+        return float(raw)
+    if not isinstance(raw, str):
+        raise InvalidInput(f"{where}={raw!r} must be a {'path or null' if optional else 'string'}")
+    return raw
+
+
+def camel(name: str) -> str:
+    """A field's name as the CRD spells it: `global_batch` -> `globalBatch`."""
+    head, *rest = name.split("_")
+    return head + "".join(part.title() for part in rest)
