@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch.distributed import TCPStore
 
-from liveshard_agent.runtime.launcher import (
+from liveshard_agent.local.launcher import (
     Driver,
     LocalJob,
     ScriptedKill,

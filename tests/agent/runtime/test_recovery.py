@@ -21,9 +21,9 @@ import torch
 from torch.distributed import TCPStore
 
 from liveshard_agent.engine.world import World
+from liveshard_agent.local.launcher import ScriptedKill, parse_kill, run_job
 from liveshard_agent.runtime import optimizer as optimizer_module
 from liveshard_agent.runtime.data import Dataset, load_corpus
-from liveshard_agent.runtime.launcher import ScriptedKill, parse_kill, run_job
 from liveshard_agent.runtime.member import recovery_decision
 from liveshard_agent.runtime.trainer import Scalars, Trainer, initial_state
 from liveshard_core.errors import InvalidInput

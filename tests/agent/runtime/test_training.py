@@ -26,7 +26,7 @@ import pytest
 
 pytest.importorskip("torch", reason="the runtime needs torch (the agent extra)")
 
-from liveshard_agent.runtime.launcher import (
+from liveshard_agent.local.launcher import (
     LocalJob,
     ScriptedSwitch,
     local_config,

@@ -78,7 +78,7 @@ def test_a_job_travels_from_the_crd_through_the_operator_to_the_agent() -> None:
 
 def test_a_job_travels_from_the_flags_to_the_launcher() -> None:
     pytest.importorskip("torch", reason="the launcher needs torch (the agent extra)")
-    from liveshard_agent.runtime.launcher import _parser, job_from_args
+    from liveshard_agent.local.launcher import _parser, job_from_args
 
     argv = ["--device", "cpu", "--nprocs", "3", "--layout", "dp=3"]
     for name, value in CHANGED.items():

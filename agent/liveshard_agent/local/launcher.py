@@ -56,9 +56,9 @@ from liveshard_core.vps.spec import ModelSpec
 
 from ..engine.errors import Cause
 from ..engine.world import StoreAddress
-from .loop import Command, Prepare, Start, Stop, run_member
-from .member import Change, Member
-from .trainer import StepRecord
+from ..runtime.loop import Command, Prepare, Start, Stop, run_member
+from ..runtime.member import Change, Member
+from ..runtime.trainer import StepRecord
 
 HOST = "127.0.0.1"
 LOCAL_DEADLINES = Deadlines(op=60.0, switch=120.0, prepare=300.0)
