@@ -35,6 +35,7 @@ from typing import Any
 
 import grpc
 import yaml
+from common import machine, write_json
 
 from liveshard.v1 import agent_pb2 as pb
 from liveshard.v1 import agent_pb2_grpc as pb_grpc
@@ -222,27 +223,15 @@ def main() -> None:
             live_one["speedup_pause"] = round(
                 restart_one["total_seconds"] / live_one["pause_seconds"], 1
             )
-        result = {"machine": _machine(), "live": resizes, "lost": recovery,
-                  "checkpoint_restart": restarts}  # fmt: skip
+        result = {
+            "machine": machine("local cluster (process kubelet), gloo on CPU"),
+            "live": resizes, "lost": recovery, "checkpoint_restart": restarts,
+        }  # fmt: skip
         print(json.dumps(result, indent=1), flush=True)
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(result, indent=1))
+        write_json(args.out, result)
     finally:
         if not args.keep:
             cluster.down("bench")
-
-
-def _machine() -> str:
-    model = "unknown cpu"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(
-                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
-            )
-    except (OSError, StopIteration):
-        pass
-    return f"{model}, {os.cpu_count()} cpus, local cluster (process kubelet), gloo on CPU"
 
 
 if __name__ == "__main__":

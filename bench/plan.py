@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import time
 from collections.abc import Callable
 from typing import Any
+
+from common import machine, write_json
 
 from liveshard_core.assign.assign import Problem
 from liveshard_core.layout.layout import Layout, parse_degrees
@@ -276,11 +276,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--out", help="also write all results to this JSON file")
     args = parser.parse_args()
-    machine = f"{platform.machine()} {platform.processor() or ''}".strip()
+    described = machine()
     results = []
 
     def emit(result: dict[str, Any]) -> None:
-        result["machine"] = machine
+        result["machine"] = described
         results.append(result)
         print(json.dumps(result), flush=True)
 
@@ -292,10 +292,7 @@ def main() -> None:
         emit(measure_assign(spec, old, new, drop, args.repeat))
     for spec, members, current, constraints in policy_cases(args.quick):
         emit(measure_policy(spec, members, current, args.repeat, **constraints))
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

@@ -79,7 +79,6 @@ import itertools
 import json
 import multiprocessing as mp
 import os
-import platform
 import shutil
 import tempfile
 import time
@@ -93,6 +92,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from common import machine, write_json
 from torch.distributed import AllreduceOptions, PrefixStore, ReduceOp, TCPStore
 from torch.distributed.checkpoint.state_dict_loader import load
 from torch.distributed.checkpoint.state_dict_saver import save
@@ -466,20 +466,6 @@ def _checkpoint_root() -> str:
     return tempfile.gettempdir()
 
 
-def _machine() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return f"{model}, {os.cpu_count()} cpus, {memory / 2**30:.0f} GiB, torch {torch.__version__}"
-
-
 def _max(rows: list[dict[str, Any]], key: str) -> float:
     return max(float(r[key]) for r in rows)
 
@@ -656,7 +642,7 @@ def measure(
         "rss_peak_extra_bytes": best["rss_peak_extra"],
         "budget_bytes": budget,
         "device": "cpu",
-        "machine": _machine(),
+        "machine": machine(f"torch {torch.__version__}"),
     }
 
 
@@ -691,10 +677,7 @@ def main() -> None:
             print(json.dumps(result), flush=True)
     finally:
         pool.close()
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

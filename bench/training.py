@@ -35,16 +35,15 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
+from common import machine, write_json
 from torch.distributed import TCPStore
 
 from liveshard_agent.local.launcher import (
@@ -63,19 +62,6 @@ from liveshard_e2e.workers import Pool
 HOST = "127.0.0.1"
 NPROCS = 4
 SEQUENCE = ("20:tp=2,dp=2", "40:pp=2,dp=2")
-
-
-def _machine() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(
-                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
-            )
-    except (OSError, StopIteration):
-        pass
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return f"{model}, {os.cpu_count()} cpus, {memory / 2**30:.0f} GiB, torch {torch.__version__}"
 
 
 def _job(layout: str, steps: int, **options: Any) -> LocalJob:
@@ -285,7 +271,7 @@ def main() -> None:
     parser.add_argument("--out", help="also write the results to this JSON file")
     args = parser.parse_args()
     result = {
-        "machine": _machine(),
+        "machine": machine(f"torch {torch.__version__}"),
         "model": "tiny (fp32 parameters, no master)",
         "nprocs": NPROCS,
         "sequence": sequence(60),
@@ -293,9 +279,7 @@ def main() -> None:
         "recovery": recovery(30),
     }
     print(json.dumps(result, indent=1), flush=True)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1))
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

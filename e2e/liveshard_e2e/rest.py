@@ -1,8 +1,11 @@
-"""A minimal Kubernetes REST client over JSON dicts, for the process kubelet.
+"""A minimal Kubernetes REST client over JSON dicts, for the process kubelet and the tests.
 
 The kubelet handles pods as the API's plain JSON (it reads fields the typed models rename and
 patches status with strategic-merge patches), so it talks HTTP directly with the credentials
 of a kubeconfig this project wrote itself (server, CA file, client cert and key, or a token).
+The requests themselves are the operator's (`liveshard_operator.kube.JsonApi`): one piece of
+code makes a JSON request in the product and in the harness; the harness adds what only it
+needs (kubeconfig files, text answers, watches). The product never imports the harness.
 """
 
 from __future__ import annotations
@@ -16,28 +19,18 @@ from urllib.parse import urlencode
 
 import urllib3
 import yaml
+from liveshard_operator.kube import MERGE, ApiError, JsonApi
+
+__all__ = ["MERGE", "STRATEGIC", "ApiError", "Rest"]
 
 log = logging.getLogger(__name__)
 
 STRATEGIC = "application/strategic-merge-patch+json"
-MERGE = "application/merge-patch+json"
 
 
-class ApiError(RuntimeError):
-    """A non-2xx answer from the API server."""
-
-    def __init__(self, method: str, path: str, status: int, body: str) -> None:
-        self.status = status
-        self.body = body
-        try:
-            self.reason = str(json.loads(body).get("reason", ""))
-        except (ValueError, AttributeError):
-            self.reason = ""
-        super().__init__(f"{method} {path}: HTTP {status}: {body[:500]}")
-
-
-class Rest:
-    """JSON requests against one API server with one identity; safe to share between threads."""
+class Rest(JsonApi):
+    """Requests with the identity of a kubeconfig this project wrote; safe to share between
+    threads."""
 
     def __init__(self, kubeconfig: Path | str, pool_size: int = 16) -> None:
         config = yaml.safe_load(Path(kubeconfig).read_text())
@@ -45,44 +38,15 @@ class Rest:
         context = next(c["context"] for c in config["contexts"] if c["name"] == current)
         cluster = next(c["cluster"] for c in config["clusters"] if c["name"] == context["cluster"])
         user = next(u["user"] for u in config["users"] if u["name"] == context["user"])
-        self.server = str(cluster["server"]).rstrip("/")
-        self._headers = {"Accept": "application/json"}
-        if "token" in user:
-            self._headers["Authorization"] = f"Bearer {user['token']}"
-        self._pool = urllib3.PoolManager(
-            maxsize=pool_size,
-            ca_certs=cluster["certificate-authority"],
-            cert_file=user.get("client-certificate"),
-            key_file=user.get("client-key"),
-            retries=False,
-        )
-
-    def request(
-        self,
-        method: str,
-        path: str,
-        body: Any = None,
-        *,
-        query: dict[str, Any] | None = None,
-        content_type: str = "application/json",
-        timeout: float = 30.0,
-    ) -> Any:
-        """One request; the decoded JSON answer, or :class:`ApiError`."""
-        url = self.server + path + (f"?{urlencode(query)}" if query else "")
-        headers = dict(self._headers)
-        data = None
-        if body is not None:
-            data = json.dumps(body).encode()
-            headers["Content-Type"] = content_type
-        resp = self._pool.request(method, url, body=data, headers=headers, timeout=timeout)
-        text = resp.data.decode(errors="replace")
-        if not 200 <= resp.status < 300:
-            raise ApiError(method, path, resp.status, text)
-        return json.loads(text) if text else None
+        super().__init__(
+            str(cluster["server"]), token=user.get("token"),
+            ca_file=cluster["certificate-authority"], cert_file=user.get("client-certificate"),
+            key_file=user.get("client-key"), pool_size=pool_size, timeout=30.0,
+        )  # fmt: skip
 
     def get_text(self, path: str) -> str:
         """A GET whose answer is text (``/readyz``, ``/version`` is JSON but fine too)."""
-        resp = self._pool.request("GET", self.server + path, headers=self._headers, timeout=10)
+        resp = self.pool.request("GET", self.server + path, headers=self.headers, timeout=10)
         text = resp.data.decode(errors="replace")
         if resp.status != 200:
             raise ApiError("GET", path, resp.status, text)
@@ -113,10 +77,10 @@ class Rest:
             **query,
         }
         url = f"{self.server}{path}?{urlencode(params)}"
-        resp = self._pool.request(
+        resp = self.pool.request(
             "GET",
             url,
-            headers=self._headers,
+            headers=self.headers,
             preload_content=False,
             timeout=urllib3.Timeout(connect=10, read=timeout_seconds + 30),
         )

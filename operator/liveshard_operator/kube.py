@@ -23,44 +23,49 @@ MERGE = "application/merge-patch+json"
 
 
 class ApiError(RuntimeError):
-    """A non-2xx answer from the API server."""
+    """A non-2xx answer from the API server; `reason` is the Status object's, when it has one."""
 
     def __init__(self, method: str, path: str, status: int, body: str) -> None:
         self.status = status
+        self.body = body
+        try:
+            self.reason = str(json.loads(body).get("reason", ""))
+        except (ValueError, AttributeError):
+            self.reason = ""
         super().__init__(f"{method} {path}: HTTP {status}: {body[:500]}")
 
 
-class Kube:
-    """JSON requests against the API server; safe to share between threads."""
+class JsonApi:
+    """JSON requests against one API server with one identity; safe to share between threads.
+    The local cluster's harness (`liveshard_e2e.rest`) makes its requests with this class too."""
 
-    def __init__(self, configuration: k8s_client.Configuration) -> None:
-        self.server = configuration.host.rstrip("/")
+    def __init__(
+        self,
+        server: str,
+        *,
+        token: str | None = None,
+        ca_file: str | None = None,
+        cert_file: str | None = None,
+        key_file: str | None = None,
+        verify: bool = True,
+        pool_size: int = 8,
+        timeout: float = 15.0,
+    ) -> None:
+        self.server = server.rstrip("/")
+        self.timeout = timeout
         self.headers = {"Accept": "application/json"}
-        token = (configuration.api_key or {}).get("authorization") or (
-            configuration.api_key or {}
-        ).get("BearerToken")
         if token:
             self.headers["Authorization"] = (
                 token if token.startswith("Bearer") else f"Bearer {token}"
             )
         self.pool = urllib3.PoolManager(
-            maxsize=8,
-            ca_certs=configuration.ssl_ca_cert,
-            cert_file=configuration.cert_file,
-            key_file=configuration.key_file,
-            cert_reqs="CERT_REQUIRED" if configuration.verify_ssl else "CERT_NONE",
+            maxsize=pool_size,
+            ca_certs=ca_file,
+            cert_file=cert_file,
+            key_file=key_file,
+            cert_reqs="CERT_REQUIRED" if verify else "CERT_NONE",
             retries=False,
         )
-
-    @classmethod
-    def from_environment(cls) -> Kube:
-        """The kubeconfig `KUBECONFIG` names, else the pod's service account."""
-        configuration = k8s_client.Configuration()
-        if os.environ.get("KUBECONFIG"):
-            k8s_config.load_kube_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-        else:
-            k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-        return cls(configuration)
 
     def request(
         self,
@@ -70,19 +75,44 @@ class Kube:
         *,
         query: dict[str, Any] | None = None,
         content_type: str = "application/json",
-        timeout: float = 15.0,
+        timeout: float | None = None,
     ) -> Any:
+        """One request; the decoded JSON answer, or `ApiError`."""
         url = self.server + path + (f"?{urlencode(query)}" if query else "")
         headers = dict(self.headers)
         data = None
         if body is not None:
             data = json.dumps(body).encode()
             headers["Content-Type"] = content_type
-        resp = self.pool.request(method, url, body=data, headers=headers, timeout=timeout)
+        resp = self.pool.request(
+            method, url, body=data, headers=headers, timeout=timeout or self.timeout
+        )
         text = resp.data.decode(errors="replace")
         if not 200 <= resp.status < 300:
             raise ApiError(method, path, resp.status, text)
         return json.loads(text) if text else None
+
+
+class Kube(JsonApi):
+    """The operator's requests: the objects the controller reads and writes."""
+
+    @classmethod
+    def from_environment(cls) -> Kube:
+        """The kubeconfig `KUBECONFIG` names, else the pod's service account."""
+        configuration = k8s_client.Configuration()
+        if os.environ.get("KUBECONFIG"):
+            k8s_config.load_kube_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+        else:
+            k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+        api_key = configuration.api_key or {}
+        return cls(
+            configuration.host,
+            token=api_key.get("authorization") or api_key.get("BearerToken"),
+            ca_file=configuration.ssl_ca_cert,
+            cert_file=configuration.cert_file,
+            key_file=configuration.key_file,
+            verify=configuration.verify_ssl,
+        )
 
     # ---- the objects the controller uses ----
 
