@@ -73,6 +73,13 @@ def test_examples_validate_and_get_their_defaults(jobs: Kube) -> None:
         "seed": 0,
         "lr": 0.003,
         "dropout": 0,
+        "warmupSteps": 10,
+        "weightDecay": 0.1,
+        "beta1": 0.9,
+        "beta2": 0.95,
+        "eps": 1e-8,
+        "clipNorm": 1.0,
+        "auxLossCoef": 0.01,
     }
     # No grace period by default: the operator derives one from the deadlines.
     assert "terminationGracePeriodSeconds" not in spec["template"]["spec"]
@@ -385,6 +392,8 @@ def test_fields_fixed_for_a_jobs_life_stay_fixed(jobs: Kube) -> None:
         ({"model": {"preset": "tiny-moe"}}, "spec.model is immutable"),
         ({"training": {"seed": 7}}, "only spec.training.steps may change"),
         ({"training": {"data": "/data/other.bin"}}, "only spec.training.steps may change"),
+        ({"training": {"minLr": 0.0001}}, "only spec.training.steps may change"),
+        ({"training": {"weightDecay": 0.0}}, "only spec.training.steps may change"),
         ({"port": 7071}, "spec.port is immutable"),
         ({"device": "cuda"}, "spec.device is immutable"),
     ]:
