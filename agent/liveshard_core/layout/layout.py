@@ -133,13 +133,17 @@ class Layout:
                 f"but {cfg.name} has {cfg.layers} layers"
             )
 
+    @property
+    def degrees(self) -> Degrees:
+        """The layout without its members (its pipeline partition included)."""
+        return Degrees(
+            dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep, zero=self.zero,
+            pp_layers=self.pp_layers,
+        )  # fmt: skip
+
     def describe(self) -> str:
         """The layout in the command-line syntax, without members."""
-        stages = ":".join(map(str, self.pp_layers))
-        return (
-            f"dp={self.dp},tp={self.tp},pp={self.pp},ep={self.ep},zero={self.zero},"
-            f"pp_layers={stages}"
-        )
+        return self.degrees.describe()
 
 
 @dataclass(frozen=True)
@@ -156,6 +160,13 @@ class Degrees:
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
+
+    def describe(self) -> str:
+        """In the command-line syntax (`parse_degrees` reads it back)."""
+        text = f"dp={self.dp},tp={self.tp},pp={self.pp},ep={self.ep},zero={self.zero}"
+        if self.pp_layers is None:
+            return text
+        return f"{text},pp_layers={':'.join(map(str, self.pp_layers))}"
 
     def layout(self, spec: ModelSpec, members: tuple[str, ...] | list[str]) -> Layout:
         return Layout.create(
