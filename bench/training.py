@@ -54,7 +54,8 @@ from liveshard_agent.local.launcher import (
     parse_switch,
     run_job,
 )
-from liveshard_agent.runtime.member import Change, Member
+from liveshard_agent.runtime.change import Change
+from liveshard_agent.runtime.member import Member
 from liveshard_core.job import TrainingSettings
 from liveshard_core.layout.layout import parse_degrees
 from liveshard_e2e.workers import Pool

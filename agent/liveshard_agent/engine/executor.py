@@ -10,10 +10,12 @@ each end. With `Verification.MOVED`, each message is checksummed as it is sent (
 the wire) and as it arrives (while later ones are). Work that reads the old state (`overlap`:
 local copies, a whole-state checksum) runs while the first round is in flight.
 
-Where old boxes are read and new boxes written is a `Storage`: the resident mode's old state and
-preallocated shadow (`Resident`), or the bounded mode's host copy and shadow filled box by box
-(`offload.Bounded`). Any failed or late operation raises `TransferError` naming the epoch and the
-peer; the shadow is then garbage, never the old state.
+Where old boxes are read and new boxes written is a `Storage`, which each memory mode's
+`SwitchMemory` builds at the switch: the resident mode's old state and preallocated shadow
+(`resident.Resident`), or the bounded mode's host copy and shadow filled box by box
+(`offload.Bounded`). The executor does not know which mode runs. Any failed or late operation
+raises `TransferError` naming the epoch and the peer; the shadow is then garbage, never the old
+state.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from typing import Protocol
 import torch
 from torch.distributed import Work
 
-from liveshard_core.vps.spec import TensorRef
+from liveshard_core.layout.layout import Layout
+from liveshard_core.vps.box import Box
+from liveshard_core.vps.spec import ModelSpec, TensorRef
 
 from . import backend
 from .backend import Group
@@ -105,46 +109,54 @@ class Storage(Protocol):
     def finish(self) -> None: ...
 
 
-class Resident:
-    """The resident mode: the old state as it is, the shadow allocated in prepare (with the
-    blocks its packed messages land in); the local copies run while the first round is in flight
-    (`copy_local`)."""
+@dataclass(frozen=True)
+class SwitchSide:
+    """One member's side of a change, as its memory mode needs it."""
 
-    def __init__(
+    spec: ModelSpec
+    old: Layout
+    new: Layout
+    old_rank: int | None  # None: not a member of the old layout, or lost with its state
+    new_rank: int | None  # None: not a member of the new layout
+    device: torch.device
+    epoch: int
+    member: str
+
+
+class SwitchMemory(Protocol):
+    """A memory mode's part of one switch (`modes.MemoryMode`): what it allocates in prepare,
+    the `Storage` it gives the executor at the switch, and the state that comes out of it.
+    `resident.ResidentMemory` and `offload.BoundedMemory` are the two."""
+
+    # Whether sends must go through buffers: the old storage may be given back under them.
+    sends_need_buffers: bool
+
+    @property
+    def shadow(self) -> ShardedState | None:
+        """The new state allocated in prepare, if the mode allocates it then."""
+
+    def prepare(self, program: Program, new_boxes: dict[TensorRef, list[Box]]) -> None:
+        """Allocate, and touch, the memory the pause writes into (so it pays no page faults)."""
+
+    def release(self) -> None:
+        """Drop what prepare allocated: the reconfiguration ends without its switch."""
+
+    def storage(
         self,
-        program: Program,
         old: ShardedState | None,
-        shadow: ShardedState | None,
-        landings: dict[tuple[int, int], torch.Tensor],
-    ) -> None:
-        self.program, self.old, self.shadow, self.landings = program, old, shadow, landings
+        memory: Memory,
+        seconds: dict[str, float],
+        read_old: Callable[[], None] | None,
+    ) -> tuple[Storage, Callable[[], object] | None]:
+        """The switch's storage, and the work to run while the first round is in flight.
+        `memory` is told what prepare allocated; `read_old` reads the whole old state, and runs
+        while the old state is still whole; `seconds` gets the mode's own timings."""
 
-    def source(self, ref: TensorRef, index: int) -> torch.Tensor:
-        assert self.old is not None
-        return self.old.boxes[ref][index][1]
+    def new_state(self) -> ShardedState | None:
+        """The new state once the transfer succeeded (None: the member leaves)."""
 
-    def target(self, ref: TensorRef, index: int) -> torch.Tensor:
-        assert self.shadow is not None
-        return self.shadow.boxes[ref][index][1]
-
-    def landing(self, round_: int, index: int) -> torch.Tensor | None:
-        return self.landings.get((round_, index))
-
-    def copy_local(self) -> None:
-        local = self.program.local
-        backend.copy_all(
-            [view(self.target(c.ref, c.target.index), c.target) for c in local],
-            [view(self.source(c.ref, c.source.index), c.source) for c in local],
-        )
-
-    def before_round(self, round_: int, drain: Callable[[], None]) -> None:
-        pass
-
-    def after_round(self, round_: int) -> None:
-        pass
-
-    def finish(self) -> None:
-        pass
+    def abort(self, seconds: dict[str, float]) -> None:
+        """Drop the shadow and leave the old state as it was before the switch."""
 
 
 def _nbytes(t: torch.Tensor) -> int:

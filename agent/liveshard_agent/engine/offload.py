@@ -19,11 +19,16 @@ undefined (the caller rebinds to the new state; see `state`).
 
 A storage is given back only when the old state's boxes cover all of it (nothing else lives in
 it), it can be resized, and no box of it is passed on; any other stays on the device, counted.
+
+`BoundedMemory` is the mode's `executor.SwitchMemory`: the host copy allocated in prepare, the
+`Bounded` storage built at the switch, the old state restored on abort. This module must not
+decide whether a switch commits.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,7 +40,7 @@ from liveshard_core.vps.box import Box, box_shape
 from liveshard_core.vps.spec import ModelSpec, TensorRef
 
 from . import backend
-from .executor import Memory, view
+from .executor import Memory, Storage, SwitchSide, view
 from .program import LocalCopy, NewBox, Program
 from .shadow import landing_views
 from .state import TORCH_DTYPES, ShardedState, region_boxes
@@ -298,6 +303,75 @@ class Bounded:
         entry.alive = False
         self.resident -= entry.nbytes
         self.memory.release(entry.nbytes)
+
+
+class BoundedMemory:
+    """The bounded mode's part of one switch (`executor.SwitchMemory`)."""
+
+    sends_need_buffers = True  # an old box's storage may be given back while its send waits
+
+    def __init__(self, side: SwitchSide) -> None:
+        self.side = side
+        self._program: Program | None = None
+        self._new_boxes: dict[TensorRef, list[Box]] = {}
+        self._host: HostCopy | None = None
+        self._bounded: Bounded | None = None
+
+    @property
+    def shadow(self) -> ShardedState | None:
+        return None  # allocated box by box at the switch
+
+    def prepare(self, program: Program, new_boxes: dict[TensorRef, list[Box]]) -> None:
+        self._program, self._new_boxes = program, new_boxes
+        side = self.side
+        if side.old_rank is not None:
+            self._host = HostCopy.allocate(side.spec, side.old, side.old_rank, side.device)
+
+    def release(self) -> None:
+        self._host = None
+
+    def storage(
+        self,
+        old: ShardedState | None,
+        memory: Memory,
+        seconds: dict[str, float],
+        read_old: Callable[[], None] | None,
+    ) -> tuple[Storage, Callable[[], object] | None]:
+        """The old state goes to the host copy first: its device storage may be given back
+        from then on, so `read_old` runs before."""
+        assert self._program is not None, "prepare comes first"
+        side, host = self.side, self._host
+        self._host = None
+        if host is not None:
+            memory.host = host.nbytes
+        if read_old is not None:
+            read_old()
+        start = time.perf_counter()
+        if old is not None:
+            if host is None:
+                raise ValueError(
+                    f"epoch {side.epoch}: {side.member} has an old state but no host copy: it "
+                    "was not a member of the old layout when prepared"
+                )
+            host.take(old)
+        seconds["host_copy"] = time.perf_counter() - start
+        self._bounded = Bounded(
+            self._program, spec=side.spec, old=old, host=host, new=side.new,
+            new_rank=side.new_rank, new_boxes=self._new_boxes, device=side.device, memory=memory,
+        )  # fmt: skip
+        return self._bounded, None
+
+    def new_state(self) -> ShardedState | None:
+        assert self._bounded is not None, "the storage comes first"
+        return self._bounded.state()
+
+    def abort(self, seconds: dict[str, float]) -> None:
+        """Restore the old state's storage from the host copy (if any was given back)."""
+        bounded, self._bounded = self._bounded, None
+        if bounded is not None:
+            start = time.perf_counter()
+            bounded.abort()
+            seconds["restore"] = time.perf_counter() - start
 
 
 def _volume_bytes(spec: ModelSpec, ref: TensorRef, box: Box) -> int:

@@ -1,8 +1,10 @@
 """What a switch reports: one structured record per switch, and logging with its context.
 
 Every log line of a reconfiguration carries the job, the epoch and the member (`context_logger`),
-and every switch ends with one `SwitchRecord`: its phase timings, bytes and result, logged as one
-JSON line, the figure the runtime and the operator report.
+and every switch ends with one `SwitchRecord` (`switch_record`): its phase timings, bytes and
+result, logged as one JSON line, the figure the runtime and the operator report. The record is
+that line's shape: its result and cause are the outcome enums' string values. This module must
+not import torch at run time (the server's main process logs with it).
 """
 
 from __future__ import annotations
@@ -11,7 +13,15 @@ import json
 import logging
 from collections.abc import MutableMapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from liveshard_core.job import Cause, Result
+from liveshard_core.layout.layout import Layout
+
+from .modes import Verification
+
+if TYPE_CHECKING:  # the executor's values, only read here: importing it would import torch
+    from .executor import Memory, TransferStats
 
 
 class ContextLogger(logging.LoggerAdapter[logging.Logger]):
@@ -71,3 +81,49 @@ class SwitchRecord:
 
     def to_json(self) -> str:
         return json.dumps(self.as_dict(), sort_keys=True)
+
+
+def switch_record(
+    *,
+    job: str,
+    epoch: int,
+    member: str,
+    old: Layout,
+    new: Layout,
+    cause: Cause | None,
+    reason: str,
+    verification: Verification,
+    stats: TransferStats,
+    memory: Memory,
+    seconds: dict[str, float],
+) -> SwitchRecord:
+    """The record of one switch: committed when `cause` is None. `seconds` holds prepare's
+    phases and the pause's parts, `pause` among them."""
+    return SwitchRecord(
+        job=job,
+        epoch=epoch,
+        member=member,
+        from_layout=old.describe(),
+        to_layout=new.describe(),
+        result=(Result.COMMITTED if cause is None else Result.ABORTED).value,
+        cause=None if cause is None else cause.value,
+        reason=reason,
+        verified=verification is not Verification.NONE,
+        verification=verification.value,
+        memory_mode=memory.mode.value,
+        seconds={k: round(v, 6) for k, v in seconds.items()},
+        pause_seconds=round(seconds["pause"], 6),
+        local_bytes=stats.local_bytes,
+        sent_bytes=stats.sent_bytes,
+        received_bytes=stats.received_bytes,
+        rounds=stats.rounds,
+        stalls=stats.stalls,
+        messages=stats.messages,
+        shadow_bytes=memory.shadow,
+        kept_bytes=memory.kept,
+        released_bytes=memory.released,
+        host_bytes=memory.host,
+        peak_staging_bytes=memory.peak_staging,
+        peak_extra_bytes=memory.peak_extra,
+        budget_bytes=memory.budget,
+    )

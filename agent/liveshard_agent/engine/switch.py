@@ -7,25 +7,25 @@ A `Reconfiguration` is one member's side of one epoch's change, and moves throug
    trains, bounded by the prepare deadline): refuse an epoch already used on this store, compute
    the member's own part of the plan (`plan.view.member_plan`: its cost follows what the member
    holds and needs, not the number of members), agree on the plan digest through the store before
-   any byte moves, build the union group, unite the members' traffic over it (one all-reduce)
-   and cut the member's rounds from it (`plan.schedule.member_schedule`: the rounds the whole
-   plan's schedule gives it), build the new world and the zeroed shadow state. A prepare that
-   fails or passes its deadline ends in FAILED.
-   The member's program (`program`: the schedule's rounds as messages) is laid out
-   here too, so the pause runs no planning code.
+   any byte moves, build the union group, unite the members' traffic over it (`agreement`) and
+   cut the member's rounds from it (`plan.schedule.member_schedule`: the rounds the whole plan's
+   schedule gives it), build the new world, lay out the member's program (`program`: the
+   schedule's rounds as messages, so the pause runs no planning code) and allocate what the
+   memory mode writes into. A prepare that fails or passes its deadline ends in FAILED.
 2. PREPARED -> SWITCHING (`switch`, at a step boundary, every union member at once): run the
    program into the shadow, checksumming as the verification asks (`modes.Verification`: the
    moved bytes as they are sent and received, by default), and vote (`vote`): one all-reduce over
    the union group, within the switch deadline, of every member's failure flag and checksums.
 3. -> COMMITTED if nobody failed and every logical tensor's checksums match: the shadow becomes
    the state, the caller's old state object is released (see `state`). -> ABORTED otherwise: the
-   shadow is dropped and the caller keeps its old state exactly as it was (in the bounded memory
-   mode, restored from its host copy: see `offload`). Every member decides from the same
-   all-reduced vote. A prepared reconfiguration that will not switch is `abort`ed.
+   shadow is dropped and the caller keeps its old state exactly as it was. Every member decides
+   from the same all-reduced vote. A prepared reconfiguration that will not switch is `abort`ed.
 
-Memory (`modes.MemoryMode`): RESIDENT (the default) allocates the whole shadow in prepare and
-keeps the old state as it is; BOUNDED keeps the old state in host memory and fills the shadow as
-the old device storage is given back, within the budget plus the member's own growth.
+Memory (`modes.MemoryMode`) is the mode's own business (`executor.SwitchMemory`, chosen once in
+`MEMORY_MODES`): RESIDENT (`resident`) allocates the whole shadow in prepare and keeps the old
+state as it is; BOUNDED (`offload`) keeps the old state in host memory and fills the shadow as
+the old device storage is given back, within the budget plus the member's own growth, and
+restores the old state from the host copy on abort.
 
 Deadlines, short to long (`liveshard_core.job.Deadlines`): one operation < the switch deadline <
 the prepare deadline. A deadline that passes aborts; nothing waits longer. Known window: a member
@@ -35,39 +35,38 @@ aborted; the operator, which records the committed epoch, reconciles that case.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from datetime import timedelta
 from enum import Enum
 
 import torch
-from torch.distributed import ReduceOp, Store
+from torch.distributed import Store
 
 from liveshard_core.job import Deadlines
 from liveshard_core.layout.layout import Layout
 from liveshard_core.plan.plan import change_digest
-from liveshard_core.plan.schedule import MemberSchedule, member_schedule, member_traffic
+from liveshard_core.plan.schedule import MemberSchedule, member_schedule
 from liveshard_core.plan.union import Union
 from liveshard_core.plan.view import MemberPlan, member_plan
-from liveshard_core.vps.box import Box, volume
+from liveshard_core.vps.box import Box
 from liveshard_core.vps.spec import ModelSpec, TensorRef
 
+from .agreement import agree_on_digest, agree_on_traffic, claim_epoch
 from .backend import Group
 from .checksum import Checksums, MovedSums
-from .errors import Cause, EpochReused, PhaseError, PlanMismatch, PrepareTimeout, TransferError
-from .executor import Memory, Resident, Storage, TransferStats, run_program
+from .errors import Cause, PhaseError, PrepareTimeout, TransferError
+from .executor import Memory, SwitchMemory, SwitchSide, TransferStats, run_program
 from .modes import MemoryMode, Verification
-from .offload import Bounded, HostCopy
+from .offload import BoundedMemory
 from .program import Program, build_program
-from .record import SwitchRecord, context_logger
-from .shadow import allocate_shadow
+from .record import SwitchRecord, context_logger, switch_record
+from .resident import ResidentMemory
 from .state import ShardedState, region_boxes
-from .vote import cast, reduce_ints
+from .vote import Failure, decide
 from .world import World, close_in_background, union_group
 
 __all__ = [
@@ -80,6 +79,12 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+# Each memory mode's part of a switch: what it allocates in prepare, the storage at the switch.
+MEMORY_MODES: dict[MemoryMode, Callable[[SwitchSide], SwitchMemory]] = {
+    MemoryMode.RESIDENT: ResidentMemory,
+    MemoryMode.BOUNDED: BoundedMemory,
+}
 
 
 class Phase(Enum):
@@ -114,12 +119,6 @@ class SwitchResult:
     seconds: dict[str, float] = field(default_factory=dict)  # the pause: transfer (with local
     # copies and checksums that overlap it; in the bounded mode also the host copy, also given
     # alone as host_copy), checksum_new (the whole new state's, with Verification.STATE), vote
-
-
-@dataclass(frozen=True)
-class _Failure:
-    cause: Cause
-    reason: str
 
 
 class Reconfiguration:
@@ -168,17 +167,22 @@ class Reconfiguration:
         self.network_bytes = 0  # the whole plan's, added up over the union
         self.union: Group | None = None
         self.world: World | None = None
-        self.shadow: ShardedState | None = None  # the resident mode's, allocated in prepare
         self.program: Program | None = None
         self._new_boxes: dict[TensorRef, list[Box]] = {}
-        self._landings: dict[tuple[int, int], torch.Tensor] = {}  # where packed messages land
-        self._host: HostCopy | None = None  # the bounded mode's, allocated in prepare
+        self._memory: SwitchMemory | None = None  # the memory mode's, allocated in prepare
         self._moved: MovedSums | None = None
         self._digest = ""
 
     @property
     def phase(self) -> Phase:
         return self._phase
+
+    @property
+    def shadow(self) -> ShardedState | None:
+        """The new state allocated in prepare (the resident mode's; None in the bounded mode,
+        which allocates it box by box at the switch)."""
+        memory = self._memory
+        return memory.shadow if memory is not None else None
 
     def _advance(self, expected: tuple[Phase, ...], to: Phase) -> None:
         with self._lock:
@@ -241,7 +245,7 @@ class Reconfiguration:
     def _prepare(self) -> None:
         # A store client is not safe to share between threads: prepare uses a clone of its own.
         self.store = self.store.clone()
-        self._claim_epoch()
+        claim_epoch(self.store, self.epoch, self.member)
         start = time.perf_counter()
         union = Union(self.old, self.new, self.lost)
         self.members = union.members
@@ -249,20 +253,19 @@ class Reconfiguration:
         part = member_plan(self.spec, self.old, self.new, self.member, self.lost, union)
         self.part = part
         self.seconds["plan"] = time.perf_counter() - start
-        self._agree_on_digest(change_digest(self.spec, self.old, self.new, self.lost))
+        self._digest = change_digest(self.spec, self.old, self.new, self.lost)
+        agree_on_digest(
+            self.store, epoch=self.epoch, member=self.member, members=self.members,
+            digest=self._digest, budget=self.budget, verification=self.verification,
+            timeout=self.deadlines.prepare,
+        )  # fmt: skip
         start = time.perf_counter()
         self.union = union_group(
             self.store, epoch=self.epoch, members=self.members, member=self.member,
             device=self.device, timeout=self.deadlines.switch,
         )  # fmt: skip
         deadline = time.monotonic() + self.deadlines.prepare
-        own = member_traffic(part)
-        traffic = own.from_vector(
-            reduce_ints(self.union, own.vector(), ReduceOp.MAX, deadline, self.device)
-        )
-        (self.network_bytes,) = reduce_ints(
-            self.union, [self._sent_bytes(part)], ReduceOp.SUM, deadline, self.device
-        )
+        traffic, self.network_bytes = agree_on_traffic(self.union, part, deadline, self.device)
         self.schedule = member_schedule(part, traffic, self.budget)
         if self.member in self.new.ranks:
             self.world = World.build(
@@ -270,19 +273,19 @@ class Reconfiguration:
                 device=self.device, timeout=self.deadlines.op,
             )  # fmt: skip
         self.seconds["groups"] = time.perf_counter() - start
+        side = SwitchSide(
+            spec=self.spec, old=self.old, new=self.new, old_rank=self._old_rank(),
+            new_rank=self._new_rank(), device=self.device, epoch=self.epoch, member=self.member,
+        )  # fmt: skip
+        memory = MEMORY_MODES[self.memory_mode](side)
         start = time.perf_counter()
-        self.program = self._lay_out(self.schedule)
+        self.program = self._lay_out(self.schedule, memory.sends_need_buffers)
         self.seconds["program"] = time.perf_counter() - start
         # Memory the pause writes into, first-touched here so that the pause does not pay for
         # page faults: the whole shadow (resident), or the old state's host copy (bounded).
         start = time.perf_counter()
-        old_rank = self._old_rank()
-        if self.memory_mode is MemoryMode.BOUNDED:
-            if old_rank is not None:
-                self._host = HostCopy.allocate(self.spec, self.old, old_rank, self.device)
-        elif (new_rank := self._new_rank()) is not None:
-            laid_out = allocate_shadow(self.spec, self.new, new_rank, self.device, self.program)
-            self.shadow, self._landings = laid_out.state, laid_out.landings
+        memory.prepare(self.program, self._new_boxes)
+        self._memory = memory
         self.seconds["shadow"] = time.perf_counter() - start
         self.log.info(
             "prepared: plan %s, %s rounds, %s of them with messages here, %s memory, "
@@ -299,77 +302,18 @@ class Reconfiguration:
     def _new_rank(self) -> int | None:
         return self.new.rank_of(self.member) if self.member in self.new.ranks else None
 
-    @staticmethod
-    def _sent_bytes(part: MemberPlan) -> int:
-        """The bytes the member sends in the whole switch."""
-        return sum(
-            volume(p.box) * cls.itemsize * len(cls)
-            for pattern, cls in part.groups
-            for p in part.network[pattern]
-            if p.src == part.slot
-        )
-
-    def _lay_out(self, schedule: MemberSchedule) -> Program:
+    def _lay_out(self, schedule: MemberSchedule, sends_need_buffers: bool) -> Program:
         """This member's program, and what it needs to check the moved bytes."""
         old_rank, new_rank = self._old_rank(), self._new_rank()
         old_boxes = {} if old_rank is None else region_boxes(self.spec, self.old, old_rank)
         self._new_boxes = {} if new_rank is None else region_boxes(self.spec, self.new, new_rank)
         program = build_program(
             schedule, schedule.part.slot, old_boxes=old_boxes, new_boxes=self._new_boxes,
-            sends_need_buffers=self.memory_mode is MemoryMode.BOUNDED,
+            sends_need_buffers=sends_need_buffers,
         )  # fmt: skip
         if self.verification is Verification.MOVED:
             self._moved = MovedSums(program, len(self.members), self.device)
         return program
-
-    def _claim_epoch(self) -> None:
-        """Refuse an epoch this member already used on this store: its keys would mislead."""
-        uses = self.store.add(f"liveshard/{self.epoch}/claimed/{self.member}", 1)
-        if uses != 1:
-            raise EpochReused(
-                f"epoch {self.epoch} was already used by {self.member} on this store; "
-                "every reconfiguration takes a new epoch number"
-            )
-
-    def _agree_on_digest(self, digest: str) -> None:
-        """Publish this member's plan digest, with the settings every member must share (the
-        budget, which cuts the rounds, and the verification, which shapes the vote), and check
-        that every member published the same. A few store operations per member, whatever the
-        number of members: each counts itself under its digest and among those that published,
-        the last to publish says so; only a failure reads the members' digests one by one, to
-        name who is missing or differs."""
-        prefix = f"liveshard/{self.epoch}/digest/"
-        self._digest = digest
-        agreed = f"{digest} budget={self.budget} verify={self.verification.value}"
-        same = prefix + "count/" + hashlib.sha256(agreed.encode()).hexdigest()
-        self.store.set(prefix + self.member, agreed)
-        self.store.add(same, 1)
-        if self.store.add(prefix + "published", 1) == len(self.members):
-            self.store.set(prefix + "all", "1")
-        keys = [prefix + m for m in self.members]
-        try:
-            self.store.wait([prefix + "all"], timedelta(seconds=self.deadlines.prepare))
-        except RuntimeError:
-            missing = [
-                m for m, k in zip(self.members, keys, strict=True) if not self.store.check([k])
-            ]
-            raise PrepareTimeout(
-                f"epoch {self.epoch}: members {missing} published no plan digest within "
-                f"{self.deadlines.prepare} s"
-            ) from None
-        if self.store.add(same, 0) == len(self.members):
-            return
-        differ = [
-            m
-            for m, k in zip(self.members, keys, strict=True)
-            if self.store.get(k).decode() != agreed
-        ]
-        raise PlanMismatch(
-            f"epoch {self.epoch}: members {differ} computed a different plan or settings "
-            f"than {self.member} (digest {digest[:12]}, budget {self.budget}, "
-            f"verification {self.verification.value}); they disagree about the model, "
-            "layouts, members, budget or verification"
-        )
 
     def abort(self) -> None:
         """Give up a reconfiguration before its switch, also while it is still preparing (its
@@ -385,13 +329,12 @@ class Reconfiguration:
 
     def _release_prepared(self) -> None:
         with self._lock:
-            union, shadow = self.union, self.shadow
-            self.union, self.world, self.shadow, self._host = None, None, None, None
-            self._landings = {}
+            union, memory = self.union, self._memory
+            self.union, self.world, self._memory = None, None, None
         if union is not None:
             union.abort()
-        if shadow is not None:
-            shadow.release()
+        if memory is not None:
+            memory.release()
 
     # ---- switch ----
 
@@ -401,41 +344,27 @@ class Reconfiguration:
         assert self.program is not None and self.union is not None
         begin = time.perf_counter()
         deadline = time.monotonic() + self.deadlines.switch
-        shadow, self.shadow = self.shadow, None
-        host, self._host = self._host, None
-        landings, self._landings = self._landings, {}
+        mode, self._memory = self._memory, None
+        assert mode is not None
         memory = Memory(self.budget, self.memory_mode, old=old_state.nbytes if old_state else 0)
-        if shadow is not None:
-            memory.allocate(shadow.nbytes)  # held since prepare
-        if host is not None:
-            memory.host = host.nbytes
         sums = {
             "old": Checksums.zeros(self.spec, self.device),
             "new": Checksums.zeros(self.spec, self.device),
         }
         whole_state = self.verification is Verification.STATE
         seconds: dict[str, float] = {}
-        failure: _Failure | None = None
+        failure: Failure | None = None
         stats = TransferStats()
-        bounded: Bounded | None = None
+        shadow: ShardedState | None = None
+        read_old: Callable[[], None] | None = None
+        if whole_state and old_state is not None:
+
+            def read_old() -> None:
+                sums["old"] = Checksums.of_state(old_state)
+
         start = time.perf_counter()
         try:
-            storage: Storage
-            overlap: Callable[[], object] | None = None
-            if self.memory_mode is MemoryMode.BOUNDED:
-                if whole_state and old_state is not None:  # before any storage is given back
-                    sums["old"] = Checksums.of_state(old_state)
-                bounded = self._bounded(old_state, host, memory, seconds)
-                storage = bounded
-            else:
-                resident = Resident(self.program, old_state, shadow, landings)
-                storage = resident
-
-                def overlap() -> None:  # reads the old state only: while round 0 is in flight
-                    resident.copy_local()
-                    if whole_state and old_state is not None:
-                        sums["old"] = Checksums.of_state(old_state)
-
+            storage, overlap = mode.storage(old_state, memory, seconds, read_old)
             stats = run_program(
                 self.program, storage=storage, group=self.union, device=self.device,
                 members=self.members, deadline=deadline, epoch=self.epoch, memory=memory,
@@ -444,14 +373,14 @@ class Reconfiguration:
         except TransferError as err:
             # The union is broken: abort it at once, so that peers waiting on this member fail
             # now (naming it) instead of at the deadline. Its vote cannot complete either.
-            failure = _Failure(err.cause, str(err))
+            failure = Failure(err.cause, str(err))
             self.union.abort()
         except Exception as err:  # a hook, or a fault of this member's own: it votes no
-            failure = _Failure(Cause.VOTE_NO, f"epoch {self.epoch}: {self.member} failed: {err!r}")
+            failure = Failure(Cause.VOTE_NO, f"epoch {self.epoch}: {self.member} failed: {err!r}")
         stats.local_bytes = sum(c.nbytes for c in self.program.local)
         seconds["transfer"] = time.perf_counter() - start
-        if bounded is not None and failure is None:
-            shadow = bounded.state()
+        if failure is None:
+            shadow = mode.new_state()
         start = time.perf_counter()
         if shadow is not None and failure is None and whole_state:
             sums["new"] = Checksums.of_state(shadow)
@@ -460,13 +389,19 @@ class Reconfiguration:
             try:
                 self.hooks.before_vote()
             except Exception as err:
-                failure = _Failure(
+                failure = Failure(
                     Cause.VOTE_NO, f"epoch {self.epoch}: {self.member} voted no: {err}"
                 )
 
         start = time.perf_counter()
         broken = failure is not None and failure.cause in (Cause.PEER_FAILED, Cause.DEADLINE_PASSED)
-        outcome = failure if broken else self._vote(failure, sums, deadline)
+        outcome = failure
+        if not broken:
+            outcome = decide(
+                self.union, failure=failure, verification=self.verification,
+                state_sums=(sums["old"], sums["new"]), moved=self._moved, spec=self.spec,
+                members=self.members, epoch=self.epoch, deadline=deadline, device=self.device,
+            )  # fmt: skip
         seconds["vote"] = time.perf_counter() - start
         if outcome is not None and not broken:
             # Operations a failure left pending would each hold the group's teardown for a
@@ -484,114 +419,20 @@ class Reconfiguration:
             self._phase = Phase.ABORTED
             if shadow is not None:
                 shadow.release()
-            if bounded is not None:
-                start = time.perf_counter()
-                bounded.abort()  # the old state's storage, back from the host copy
-                seconds["restore"] = time.perf_counter() - start
+            mode.abort(seconds)  # the bounded mode's old storage comes back from the host copy
             state, world, self.world = old_state, None, None
         seconds["pause"] = time.perf_counter() - begin
-        record = self._record(outcome, stats, memory, seconds)
+        record = switch_record(
+            job=self.job, epoch=self.epoch, member=self.member, old=self.old, new=self.new,
+            cause=None if outcome is None else outcome.cause,
+            reason=f"epoch {self.epoch}: committed" if outcome is None else outcome.reason,
+            verification=self.verification, stats=stats, memory=memory,
+            seconds={**self.seconds, **seconds},
+        )  # fmt: skip
         (self.log.info if outcome is None else self.log.warning)("switch %s", record.to_json())
         cause, reason = (
             (None, record.reason) if outcome is None else (outcome.cause, outcome.reason)
         )
         return SwitchResult(
             outcome is None, cause, reason, state, world, stats, memory, record, seconds
-        )
-
-    def _bounded(
-        self,
-        old_state: ShardedState | None,
-        host: HostCopy | None,
-        memory: Memory,
-        seconds: dict[str, float],
-    ) -> Bounded:
-        """The bounded mode's storage, after the old state went to the host copy."""
-        assert self.program is not None
-        start = time.perf_counter()
-        if old_state is not None:
-            if host is None:
-                raise ValueError(
-                    f"epoch {self.epoch}: {self.member} has an old state but no host copy: it "
-                    "was not a member of the old layout when prepared"
-                )
-            host.take(old_state)
-        seconds["host_copy"] = time.perf_counter() - start
-        return Bounded(
-            self.program, spec=self.spec, old=old_state, host=host, new=self.new,
-            new_rank=self._new_rank(), new_boxes=self._new_boxes, device=self.device, memory=memory,
-        )  # fmt: skip
-
-    def _vote(
-        self, failure: _Failure | None, sums: dict[str, Checksums], deadline: float
-    ) -> _Failure | None:
-        """All-reduce failures and checksums over the union; the outcome's failure, or None to
-        commit. Every member that completes the vote reaches the same decision."""
-        assert self.union is not None
-        if self.verification is Verification.STATE:
-            before, after = sums["old"].flat, sums["new"].flat
-        elif self.verification is Verification.MOVED and self._moved is not None:
-            before, after = self._moved.totals()
-        else:
-            before = after = torch.zeros(0, dtype=torch.int64, device=self.device)
-        try:
-            tally = cast(
-                self.union, failed=failure is not None, before=before, after=after,
-                deadline=deadline, device=self.device,
-            )  # fmt: skip
-        except RuntimeError as err:
-            return failure or _Failure(
-                Cause.VOTE_INCOMPLETE, f"epoch {self.epoch}: the vote did not complete: {err}"
-            )
-        if tally.failed:
-            if failure is not None:
-                return failure
-            return _Failure(Cause.VOTE_NO, f"epoch {self.epoch}: {tally.failed} member(s) voted no")
-        if self.verification is Verification.STATE:
-            total_old = Checksums.from_flat(self.spec, tally.before)
-            total_new = Checksums.from_flat(self.spec, tally.after)
-            names = [self.spec.tensor_name(ref) for ref in total_old.differing(total_new)[:5]]
-            what = f"checksums differ after the transfer for {names}"
-        else:
-            slots = MovedSums.differing(tally.before, tally.after)
-            names = [self.members[s] for s in slots[:5]]
-            what = f"the bytes received by {names} differ from the bytes sent to them"
-        if names:
-            return _Failure(Cause.CHECKSUM_MISMATCH, f"epoch {self.epoch}: {what}")
-        return None
-
-    def _record(
-        self,
-        outcome: _Failure | None,
-        stats: TransferStats,
-        memory: Memory,
-        pause: dict[str, float],
-    ) -> SwitchRecord:
-        return SwitchRecord(
-            job=self.job,
-            epoch=self.epoch,
-            member=self.member,
-            from_layout=self.old.describe(),
-            to_layout=self.new.describe(),
-            result="committed" if outcome is None else "aborted",
-            cause=None if outcome is None else outcome.cause.value,
-            reason=f"epoch {self.epoch}: committed" if outcome is None else outcome.reason,
-            verified=self.verify,
-            verification=self.verification.value,
-            memory_mode=memory.mode.value,
-            seconds={k: round(v, 6) for k, v in {**self.seconds, **pause}.items()},
-            pause_seconds=round(pause["pause"], 6),
-            local_bytes=stats.local_bytes,
-            sent_bytes=stats.sent_bytes,
-            received_bytes=stats.received_bytes,
-            rounds=stats.rounds,
-            stalls=stats.stalls,
-            messages=stats.messages,
-            shadow_bytes=memory.shadow,
-            kept_bytes=memory.kept,
-            released_bytes=memory.released,
-            host_bytes=memory.host,
-            peak_staging_bytes=memory.peak_staging,
-            peak_extra_bytes=memory.peak_extra,
-            budget_bytes=memory.budget,
         )

@@ -2,9 +2,10 @@
 union group within the switch deadline.
 
 Every member that completes the all-reduce holds the same sums and so draws the same decision
-(`switch.Reconfiguration._vote`). What the checksums are depends on the verification
-(`modes.Verification`): none, the moved bytes as sent and as received per receiving member, or
-the whole old and new state per logical tensor; the vote only carries two vectors that must agree.
+(`decide`). What the checksums are depends on the verification (`modes.Verification`): none, the
+moved bytes as sent and as received per receiving member, or the whole old and new state per
+logical tensor; the vote only carries two vectors that must agree. This module decides; the
+switch (`switch.Reconfiguration`) acts on the decision.
 """
 
 from __future__ import annotations
@@ -16,7 +17,20 @@ from datetime import timedelta
 import torch
 from torch.distributed import AllreduceOptions, ReduceOp
 
+from liveshard_core.vps.spec import ModelSpec
+
 from .backend import Group
+from .checksum import Checksums, MovedSums
+from .errors import Cause
+from .modes import Verification
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a switch aborts, as this member knows it."""
+
+    cause: Cause
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -59,3 +73,53 @@ def reduce_ints(
     options.timeout = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
     group.allreduce([tensor], options).wait()
     return [int(v) for v in tensor.tolist()]
+
+
+def decide(
+    group: Group,
+    *,
+    failure: Failure | None,
+    verification: Verification,
+    state_sums: tuple[Checksums, Checksums],
+    moved: MovedSums | None,
+    spec: ModelSpec,
+    members: tuple[str, ...],
+    epoch: int,
+    deadline: float,
+    device: torch.device,
+) -> Failure | None:
+    """All-reduce this member's `failure` and checksums over the union `group` (`members` by
+    slot); the outcome's failure, or None to commit. Every member that completes the vote
+    reaches the same decision. `state_sums` are the whole old and new state's checksums (with
+    `Verification.STATE`), `moved` the moved bytes' (with `Verification.MOVED`)."""
+    if verification is Verification.STATE:
+        before, after = state_sums[0].flat, state_sums[1].flat
+    elif verification is Verification.MOVED and moved is not None:
+        before, after = moved.totals()
+    else:
+        before = after = torch.zeros(0, dtype=torch.int64, device=device)
+    try:
+        tally = cast(
+            group, failed=failure is not None, before=before, after=after, deadline=deadline,
+            device=device,
+        )  # fmt: skip
+    except RuntimeError as err:
+        return failure or Failure(
+            Cause.VOTE_INCOMPLETE, f"epoch {epoch}: the vote did not complete: {err}"
+        )
+    if tally.failed:
+        if failure is not None:
+            return failure
+        return Failure(Cause.VOTE_NO, f"epoch {epoch}: {tally.failed} member(s) voted no")
+    if verification is Verification.STATE:
+        total_old = Checksums.from_flat(spec, tally.before)
+        total_new = Checksums.from_flat(spec, tally.after)
+        names = [spec.tensor_name(ref) for ref in total_old.differing(total_new)[:5]]
+        what = f"checksums differ after the transfer for {names}"
+    else:
+        slots = MovedSums.differing(tally.before, tally.after)
+        names = [members[s] for s in slots[:5]]
+        what = f"the bytes received by {names} differ from the bytes sent to them"
+    if names:
+        return Failure(Cause.CHECKSUM_MISMATCH, f"epoch {epoch}: {what}")
+    return None

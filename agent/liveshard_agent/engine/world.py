@@ -21,6 +21,7 @@ from torch.distributed import Store, TCPStore
 
 from liveshard_core.layout.layout import Layout
 
+from . import keys
 from .backend import Group, new_group
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ class World:
         groups = {
             axis: new_group(
                 store,
-                prefix=f"liveshard/{epoch}/{axis.value}/{key}",
+                prefix=keys.group_prefix(epoch, axis.value, key),
                 rank=r,
                 size=size,
                 device=device,
@@ -128,7 +129,7 @@ def union_group(
     """The group over old and new members that a transfer into epoch `epoch` runs on."""
     slot = members.index(member)
     return new_group(
-        store, prefix=f"liveshard/{epoch}/union", rank=slot, size=len(members), device=device,
+        store, prefix=keys.union_prefix(epoch), rank=slot, size=len(members), device=device,
         timeout=timeout,
     )  # fmt: skip
 

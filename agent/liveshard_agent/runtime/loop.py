@@ -1,13 +1,13 @@
 """A member's loop: train while in a world, switch and checkpoint when agreed, obey commands.
 
 When a step or what follows it at the boundary fails in a collective (torch raises RuntimeError:
-a peer died or timed out), the world is broken: the loop reports `("broken", ...)` and the member
-waits, state kept, for a recovery (see `Member.break_world`).
+a peer died or timed out), the world is broken: the loop reports `Broke` and the member waits,
+state kept, for a recovery (see `Member.break_world`).
 
 The same loop runs under the local launcher (commands from the driver over a pipe) and in the
-agent's server (commands from gRPC calls): both feed an `Inbox` and take `report`ed events. A
-command that is refused (bad input, out of order) is reported as an `error` event naming it, and
-the member goes on as before.
+agent's server (commands from gRPC calls): both feed an `Inbox` and take the `report`ed events
+(`events`: typed values, never strings to parse). A command that is refused (bad input, out of
+order) is reported as `Refused`, naming it, and the member goes on as before.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Protocol
 
 from torch.distributed import Store, TCPStore
 
@@ -24,7 +24,9 @@ from liveshard_core.errors import LiveshardError
 from liveshard_core.layout.layout import Layout
 
 from ..engine.world import StoreAddress
-from .member import Change, Member, SwitchEvent
+from .change import Change
+from .events import Broke, Finished, Refused, Report, Stepped
+from .member import Member, MemberState
 
 _JOIN_POLL = 0.01  # seconds between looks for a switch's announcement while joining
 
@@ -78,9 +80,6 @@ class Inbox(Protocol):
         """The next command: wait up to `timeout` seconds (None: until one comes; 0: do not)."""
 
 
-Report = Callable[[str, dict[str, Any]], None]
-
-
 class _Stores:
     """Store clients by address, connected once each."""
 
@@ -102,16 +101,16 @@ def run_member(
     report: Report,
     before_step: Callable[[Member], None] | None = None,
 ) -> None:
-    """Run `member` until a `Stop` command. Reports `("step", ...)` after every step it trains,
-    `("switch", ...)` and `("checkpoint", ...)` as they happen, `("broken", ...)` when its world
-    breaks, `("done", ...)` once when the job has trained its last step, and `("error", ...)` for
-    a refused command. `before_step` runs before each step (a periodic checkpoint requested there
-    is agreed in that very step)."""
+    """Run `member` until a `Stop` command. Reports `Stepped` after every step it trains,
+    `Switched` and `Checkpointed` as they happen, `Broke` when its world breaks, `Finished` once
+    when the job has trained its last step, and `Refused` for a refused command. `before_step`
+    runs before each step (a periodic checkpoint requested there is agreed in that very step)."""
     stores = _Stores(member.deadlines.op)
     finished = False
     while True:
-        busy = member.training and not member.done and member.broken is None
-        waiting = member.joining or member.recovering
+        state = member.state
+        busy = state is MemberState.TRAINING
+        waiting = state in (MemberState.JOINING, MemberState.RECOVERING)
         command = inbox.get(0 if busy or waiting else None)
         if isinstance(command, Stop):
             return
@@ -125,19 +124,18 @@ def run_member(
                 _train_step(member, report)
             except RuntimeError as err:  # torch's: a collective failed, the world is broken
                 breakage, dropped = member.break_world(err)
-                report("broken", {"member": member.name, "epoch": member.epoch,
-                                  **breakage.as_dict()})  # fmt: skip
+                report(Broke(member.name, member.epoch, breakage))
                 for event in dropped:
-                    report("switch", event.as_dict())
+                    report(event)
         elif waiting:
             switched = member.join()
             if switched is None:
                 time.sleep(_JOIN_POLL)
             else:
-                report("switch", switched.as_dict())
+                report(switched)
         if member.done and not finished:
             member.abandon()
-            report("done", {"step": member.step})
+            report(Finished(member.name, member.step))
             finished = True
 
 
@@ -145,11 +143,9 @@ def _train_step(member: Member, report: Report) -> None:
     layout, epoch = member.layout, member.epoch
     assert layout is not None
     record = member.train_step()
-    report("step", {"record": record, "speaks": member.speaks, "member": member.name,
-                    "layout": layout.describe(), "epoch": epoch})  # fmt: skip
+    report(Stepped(member.name, epoch, layout.describe(), member.speaks, record))
     for event in member.at_boundary():
-        kind = "switch" if isinstance(event, SwitchEvent) else "checkpoint"
-        report(kind, event.as_dict())
+        report(event)
 
 
 def _obey(member: Member, command: Command, stores: _Stores, report: Report) -> None:
@@ -163,16 +159,14 @@ def _obey(member: Member, command: Command, stores: _Stores, report: Report) -> 
         elif isinstance(command, Prepare):
             member.use_store(stores(command.store))
             for superseded in member.request(command.change):
-                report("switch", superseded.as_dict())
+                report(superseded)
         elif isinstance(command, SwitchAt):
             member.set_switch_step(command.epoch, command.at_step)
         elif isinstance(command, Drop):
-            report("switch", member.drop(command.epoch).as_dict())
+            report(member.drop(command.epoch))
         elif isinstance(command, CheckpointAt):
             member.request_checkpoint(command.number, command.path, command.at_step)
     except LiveshardError as err:
-        report("error", {"command": type(command).__name__, "message": str(err)})
+        report(Refused(type(command).__name__, str(err)))
     except RuntimeError as err:  # torch's: a peer that never came, a broken connection
-        report(
-            "error", {"command": type(command).__name__, "message": f"{type(err).__name__}: {err}"}
-        )
+        report(Refused(type(command).__name__, f"{type(err).__name__}: {err}"))

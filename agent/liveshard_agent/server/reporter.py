@@ -13,11 +13,12 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from liveshard_core.job import Cause, Result
+from liveshard_core.job import Cause
 from liveshard_core.layout.layout import Layout
 
 from ..engine.record import ContextLogger, context_logger
-from ..runtime.member import Member
+from ..runtime.events import Broke, Checkpointed, Event, Finished, Refused, Stepped, Switched
+from ..runtime.member import Member, MemberState
 from .inbox import Ticket
 from .status import (
     CheckpointSummary,
@@ -52,7 +53,8 @@ def observe(
     layout = member.layout if member.training else layout_of(member.epoch)
     trainer = member.trainer
     return Observed(
-        training=member.training, joining=member.joining, broken=member.broken is not None,
+        training=member.training, joining=member.state is MemberState.JOINING,
+        broken=member.broken is not None,
         done=member.done, epoch=member.epoch,
         step=member.step if member.training else before.step,
         samples=trainer.scalars.samples if trainer is not None else before.samples,
@@ -79,35 +81,35 @@ class Reporter:
     def log(self) -> ContextLogger:
         return context_logger(log, job=self.job, epoch=self.member.epoch, member=self.member.name)
 
-    def __call__(self, kind: str, event: dict[str, Any]) -> None:
+    def __call__(self, event: Event) -> None:
         """`run_member`'s report."""
         update: dict[str, Any] = {}
-        if kind == "step":
-            record = event["record"]
-            self.log.debug("step %s: loss %.4f", record.step, record.loss)
-        elif kind == "switch":
-            update["last_switch"] = _switch_summary(event)
-            self.log.info(
-                "switch of epoch %s at step %s: %s -> %s %s%s", event["epoch"], event["step"],
-                event["from_layout"], event["to_layout"], event["result"],
-                "" if event["result"] == "committed" else f" ({event['cause']}: {event['reason']})",
-            )  # fmt: skip
-        elif kind == "checkpoint":
-            update["last_checkpoint"] = CheckpointSummary(
-                event["number"], event["step"], event["path"], event["seconds"]
-            )
-            self.log.info("checkpoint %s saved at step %s to %s", event["number"],
-                          event["step"], event["path"])  # fmt: skip
-        elif kind == "broken":
-            update["message"] = f"the world broke at step {event['step']}: {event['reason']}"
-            self.log.warning("%s; waiting for a recovery", update["message"])
-        elif kind == "done":
-            self.log.info("the job trained its last step (%s)", event["step"])
-        elif kind == "error":
-            message = f"{event['command']} refused: {event['message']}"
-            self._refusal = message
-            update["message"] = message
-            self.log.warning("%s", message)
+        match event:
+            case Stepped(record=record):
+                self.log.debug("step %s: loss %.4f", record.step, record.loss)
+            case Switched():
+                update["last_switch"] = _switch_summary(event)
+                why = "" if event.committed else f" ({_value(event.cause)}: {event.reason})"
+                self.log.info(
+                    "switch of epoch %s at step %s: %s -> %s %s%s", event.epoch, event.step,
+                    event.from_layout, event.to_layout, event.result.value, why,
+                )  # fmt: skip
+            case Checkpointed():
+                update["last_checkpoint"] = CheckpointSummary(
+                    event.number, event.step, event.path, event.seconds
+                )
+                self.log.info("checkpoint %s saved at step %s to %s", event.number, event.step,
+                              event.path)  # fmt: skip
+            case Broke(breakage=breakage):
+                update["message"] = f"the world broke at step {breakage.step}: {breakage.reason}"
+                self.log.warning("%s; waiting for a recovery", update["message"])
+            case Finished():
+                self.log.info("the job trained its last step (%s)", event.step)
+            case Refused():
+                message = f"{event.command} refused: {event.message}"
+                self._refusal = message
+                update["message"] = message
+                self.log.warning("%s", message)
         self._refresh(update, ())
 
     def boundary(self, settled: list[Ticket]) -> None:
@@ -134,11 +136,15 @@ class Reporter:
         self.board.update(change)
 
 
-def _switch_summary(event: dict[str, Any]) -> SwitchSummary:
+def _switch_summary(event: Switched) -> SwitchSummary:
     return SwitchSummary(
-        epoch=event["epoch"], step=event["step"], result=Result(event["result"]),
-        cause=Cause(event["cause"]) if event["cause"] else None, reason=event["reason"],
-        from_layout=event["from_layout"],
-        to_layout=event["to_layout"], pause_seconds=event["pause_seconds"],
-        prepare_seconds=event["prepare_seconds"], network_bytes=event["network_bytes"],
+        epoch=event.epoch, step=event.step, result=event.result, cause=event.cause,
+        reason=event.reason, from_layout=event.from_layout, to_layout=event.to_layout,
+        pause_seconds=event.pause_seconds, prepare_seconds=event.prepare_seconds,
+        network_bytes=event.network_bytes,
     )  # fmt: skip
+
+
+def _value(cause: Cause | None) -> str | None:
+    """A cause as the log spells it (None for a switch aborted without one)."""
+    return cause.value if cause is not None else None

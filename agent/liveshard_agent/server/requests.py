@@ -20,8 +20,8 @@ from liveshard_core.vps.spec import ModelSpec
 
 from ..engine.world import StoreAddress
 from ..runtime import checkpoint
+from ..runtime.change import Change
 from ..runtime.loop import Prepare, Start
-from ..runtime.member import Change
 
 _NAME_MAX = 253  # a Kubernetes object name's limit
 

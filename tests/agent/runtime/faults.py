@@ -1,14 +1,19 @@
-"""Switch hooks the training tests install in member processes (`LocalJob.hooks`)."""
+"""Switch hooks the training tests install in member processes (`LocalJob.hooks`).
+
+A job goes to every member's process when it is spawned, so its hooks factory must pickle: a
+function of this module, or a `functools.partial` of one.
+"""
 
 from __future__ import annotations
 
 from liveshard_agent.engine.switch import SwitchHooks
 
 
-def w1_votes_no(member: str) -> SwitchHooks:
-    """Member w1 votes no in every switch; the others vote as usual."""
+def votes_no(refusing: str, member: str) -> SwitchHooks:
+    """Member `refusing` votes no in every switch; the others vote as usual (install it as
+    `functools.partial(votes_no, "w1")`)."""
 
     def refuse() -> None:
-        raise RuntimeError("w1 refuses (injected by the test)")
+        raise RuntimeError(f"{refusing} refuses (injected by the test)")
 
-    return SwitchHooks(before_vote=refuse) if member == "w1" else SwitchHooks()
+    return SwitchHooks(before_vote=refuse) if member == refusing else SwitchHooks()

@@ -20,14 +20,21 @@ pytest.importorskip("torch", reason="the runtime needs torch (the agent extra)")
 import torch
 from torch.distributed import TCPStore
 
+from liveshard_agent.engine import keys
 from liveshard_agent.engine.world import World
 from liveshard_agent.local.launcher import ScriptedKill, parse_kill, run_job
 from liveshard_agent.runtime import optimizer as optimizer_module
+from liveshard_agent.runtime.announcement import (
+    AbortAnnounced,
+    SwitchAnnounced,
+    announce,
+    announced,
+)
 from liveshard_agent.runtime.data import Dataset, load_corpus
-from liveshard_agent.runtime.member import recovery_decision
+from liveshard_agent.runtime.recovery import Breakage, BreakReport, publish, recovery_decision
 from liveshard_agent.runtime.trainer import Scalars, Trainer, initial_state
 from liveshard_core.errors import InvalidInput
-from liveshard_core.job import TrainingSettings
+from liveshard_core.job import Cause, TrainingSettings
 from liveshard_core.layout.layout import Layout
 from liveshard_core.vps.presets import preset
 from tests.agent.runtime.test_training import assert_same_training, job, switches
@@ -82,10 +89,9 @@ def test_kill_is_parsed_and_refused_when_malformed() -> None:
 # ---- the first survivor's decision ----
 
 
-def report(step: int, whole: bool = True, unfinished: bool = False) -> dict[str, Any]:
-    scalars = {"step": step, "adam_step": step, "samples": step * 24, "seed": 0}
-    return {"scalars": scalars, "step": step, "whole": whole, "reason": "test",
-            "unfinished": unfinished, "summed": [4.0, 2.5, 0.0]}  # fmt: skip
+def report(step: int, whole: bool = True, unfinished: bool = False) -> BreakReport:
+    scalars = Scalars(step=step, adam_step=step, samples=step * 24, seed=0)
+    return BreakReport(scalars, Breakage(step, whole, "test", unfinished), (4.0, 2.5, 0.0))
 
 
 @pytest.mark.parametrize(
@@ -99,18 +105,32 @@ def report(step: int, whole: bool = True, unfinished: bool = False) -> dict[str,
     ],
 )
 def test_survivors_switch_at_their_last_step_or_learn_why_there_is_none(
-    reports: dict[str, dict[str, Any]], why: str | None
+    reports: dict[str, BreakReport], why: str | None
 ) -> None:
     decision = recovery_decision(reports)
     if why is None:
-        last = max(r["step"] for r in reports.values())
-        scalars = next(r["scalars"] for r in reports.values() if r["step"] == last)
-        assert decision["step"] == last and decision["scalars"] == scalars
-        behind = any(r["step"] < last for r in reports.values())
-        assert decision.get("finish") == ([4.0, 2.5, 0.0] if behind else None)
+        assert isinstance(decision, SwitchAnnounced)
+        last = max(r.breakage.step for r in reports.values())
+        scalars = next(r.scalars for r in reports.values() if r.breakage.step == last)
+        assert decision.step == last and decision.scalars == scalars
+        behind = any(r.breakage.step < last for r in reports.values())
+        assert decision.finish == ((4.0, 2.5, 0.0) if behind else None)
     else:
-        assert decision["cause"] == "no_common_state"
-        assert why in decision["abort"] and "restore from a checkpoint" in decision["abort"]
+        assert isinstance(decision, AbortAnnounced)
+        assert decision.cause is Cause.NO_COMMON_STATE
+        assert why in decision.reason and "restore from a checkpoint" in decision.reason
+
+
+def test_a_break_report_and_an_announcement_survive_the_store_unchanged() -> None:
+    store = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
+    sent = report(7, unfinished=True)
+    publish(store, 3, "m1", sent)
+    assert BreakReport.from_json(store.get(keys.breakage(3, "m1"))) == sent
+    assert announced(store, 3, wait=False) is None
+    decision = SwitchAnnounced(8, sent.scalars, (4.0, 2.5, 0.0))
+    announce(store, 3, decision)
+    announce(store, 3, AbortAnnounced("too late: the first announcement stands"))
+    assert announced(store, 3) == decision
 
 
 # ---- an update cut in its all-reduce, finished alone ----

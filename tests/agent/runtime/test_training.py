@@ -18,7 +18,7 @@ import dataclasses
 import json
 import subprocess
 import sys
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from liveshard_agent.local.launcher import (
 )
 from liveshard_core.job import TrainingSettings
 from liveshard_core.layout.layout import parse_degrees
+from tests.agent.runtime.faults import votes_no
 
 STEPS = 30
 RTOL = 1e-4
@@ -154,8 +155,7 @@ def test_a_checkpoint_loads_into_another_layout_and_training_goes_on(tmp_path: P
 
 
 def test_a_switch_whose_vote_fails_leaves_training_in_the_old_layout() -> None:
-    events = run_job(job("tiny", "dp=4", "10:tp=2,dp=2",
-                         hooks="tests.agent.runtime.faults:w1_votes_no"))  # fmt: skip
+    events = run_job(job("tiny", "dp=4", "10:tp=2,dp=2", hooks=partial(votes_no, "w1")))
     (aborted,) = switches(events)
     assert (aborted["result"], aborted["cause"]) == ("aborted", "vote_no")
     assert "1 member(s) voted no" in aborted["reason"] or "w1 refuses" in aborted["reason"]

@@ -1,0 +1,57 @@
+"""Every key the agent writes in a job's store, in one place, so that no two uses collide.
+
+A job's store outlives its worlds: keys are scoped by the epoch that uses them (a reconfiguration
+or the first world), and an epoch is used once (`agreement.claim_epoch`), so stale keys of an
+earlier epoch are never read as current ones. The engine, the runtime and the local launcher all
+build their keys here; this module only names keys, it must not touch a store.
+"""
+
+from __future__ import annotations
+
+_ROOT = "liveshard"
+
+
+def group_prefix(epoch: int, axis: str, key: str) -> str:
+    """The prefix a world's process group along `axis` meets under; `key` tells apart the
+    groups of one axis (the member's coordinates on the other axes)."""
+    return f"{_ROOT}/{epoch}/{axis}/{key}"
+
+
+def union_prefix(epoch: int) -> str:
+    """The prefix the union group of a change's old and new members meets under."""
+    return f"{_ROOT}/{epoch}/union"
+
+
+def claimed(epoch: int, member: str) -> str:
+    """Counts how often `member` used `epoch` on this store (it may only once)."""
+    return f"{_ROOT}/{epoch}/claimed/{member}"
+
+
+def digest_prefix(epoch: int) -> str:
+    """The prefix under which a change's members publish and count their plan digests."""
+    return f"{_ROOT}/{epoch}/digest/"
+
+
+def announcement(epoch: int) -> str:
+    """A change's announcement: the switch step and scalars, or an abort (the first one stands)."""
+    return f"{_ROOT}/{epoch}/announce"
+
+
+def breakage(epoch: int, member: str) -> str:
+    """Where `member`'s world broke, published for the recovery `epoch`."""
+    return f"{_ROOT}/{epoch}/broken/{member}"
+
+
+def restore_prefix(epoch: int) -> str:
+    """The prefix the members of a first world restoring a checkpoint meet under."""
+    return f"{_ROOT}/{epoch}/restore"
+
+
+def checkpoint_prefix(epoch: int, step: int) -> str:
+    """The prefix the members of world `epoch` meet under to save a checkpoint at `step`."""
+    return f"{_ROOT}/{epoch}/checkpoint/{step}"
+
+
+def kill(step: int, rank: int) -> str:
+    """Counts the members that reached a scripted kill (`local.faults`): only the first dies."""
+    return f"{_ROOT}/kill/{step}:{rank}"

@@ -1,0 +1,97 @@
+"""What `liveshard-local` prints: one JSON line per event, or a progress view on a terminal.
+
+This is the launcher's one output boundary: the members' typed events (`runtime.events`) become
+the lines users and scripts read here, and nowhere else. A line is a dict with `"event"`: `step`,
+`samples` (with `LocalJob.record_samples`), `switch`, `checkpoint`, `broken` (a member whose world
+broke) or `lost` (a member whose process died); results and causes are spelled as their string
+values. The format is stable: the tests, the benchmarks and the demo read it. This module must
+not decide anything about the job.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from liveshard_core.job import Result
+
+from ..runtime.events import Broke, Checkpointed, Stepped, Switched
+
+Line = dict[str, Any]
+
+
+def step_line(event: Stepped, tokens: int) -> Line:
+    """A step of the world rank 0 speaks for; `tokens`: the job's tokens per step."""
+    record = event.record
+    return {
+        "event": "step", "step": record.step, "loss": record.loss, "layout": event.layout,
+        "epoch": event.epoch, "step_seconds": round(record.seconds, 6), "tokens": tokens,
+        "aux_loss": record.aux_loss, "grad_norm": record.grad_norm, "lr": record.lr,
+    }  # fmt: skip
+
+
+def samples_line(event: Stepped) -> Line:
+    """The samples one member fed in at a step."""
+    record = event.record
+    return {"event": "samples", "step": record.step, "member": event.member,
+            "samples": list(record.samples)}  # fmt: skip
+
+
+def switch_line(event: Switched) -> Line:
+    line: Line = {
+        "event": "switch", "epoch": event.epoch, "step": event.step,
+        "result": event.result.value, "cause": event.cause.value if event.cause else None,
+        "reason": event.reason, "pause_seconds": event.pause_seconds,
+        "prepare_seconds": event.prepare_seconds, "network_bytes": event.network_bytes,
+        "lost": list(event.lost), "from": event.from_layout, "to": event.to_layout,
+    }  # fmt: skip
+    if event.checksums:
+        line["checksums"] = dict(event.checksums)
+    line["switch_seconds"] = dict(event.switch_seconds)
+    return line
+
+
+def checkpoint_line(event: Checkpointed) -> Line:
+    return {"event": "checkpoint", "step": event.step, "path": event.path,
+            "seconds": event.seconds}  # fmt: skip
+
+
+def broken_line(event: Broke) -> Line:
+    b = event.breakage
+    return {"event": "broken", "member": event.member, "epoch": event.epoch, "step": b.step,
+            "whole": b.whole, "reason": b.reason, "unfinished": b.unfinished}  # fmt: skip
+
+
+def lost_line(member: str, exit_code: int | None) -> Line:
+    """A member whose process died (`exit_code`: negative for a signal, as `multiprocessing`)."""
+    return {"event": "lost", "member": member, "exit_code": exit_code}
+
+
+def printer(as_json: bool) -> Callable[[Line], None]:
+    """JSON lines, or a human-readable progress view of the same lines."""
+
+    def emit(line: Line) -> None:
+        if as_json:
+            print(json.dumps(line), flush=True)
+        elif line["event"] == "step":
+            rate = line["tokens"] / max(line["step_seconds"], 1e-9)
+            print(f"step {line['step']:>5}  loss {line['loss']:.4f}  epoch {line['epoch']}  "
+                  f"{line['layout']}  {line['step_seconds'] * 1000:.0f} ms  "
+                  f"{rate:,.0f} tokens/s", flush=True)  # fmt: skip
+        elif line["event"] == "lost":
+            print(f"== member {line['member']} died (exit code {line['exit_code']})", flush=True)
+        elif line["event"] == "broken":
+            print(f"   {line['member']}: world broke at step {line['step']}: {line['reason']}",
+                  flush=True)  # fmt: skip
+        elif line["event"] == "switch":
+            committed = Result(line["result"]) is Result.COMMITTED
+            print(f"== switch at step {line['step']}: {line['from']} -> {line['to']}: "
+                  f"{line['result']}, pause {line['pause_seconds']:.3f} s, prepared in "
+                  f"{line['prepare_seconds']:.2f} s, {line['network_bytes'] / 1e6:.1f} MB "
+                  f"moved{'' if committed else ': ' + line['reason']}", flush=True)  # fmt: skip
+        elif line["event"] == "checkpoint":
+            print(f"== checkpoint at step {line['step']} to {line['path']} in "
+                  f"{line['seconds']:.2f} s", flush=True)  # fmt: skip
+
+    return emit

@@ -1,0 +1,101 @@
+"""A local member's process: the member's loop, fed by the driver's commands over a pipe, its
+events sent back over the same pipe.
+
+The driver (`launcher.Driver`) spawns one such process per member (`member_main`). The commands
+arrive as the runtime's `loop.Command` values; what goes back is the runtime's events themselves
+(`runtime.events`, which pickle), sent only where the driver has a use for them: steps from the
+world's rank 0 (and every member's, when the job records samples), the checkpoints rank 0
+reports, and every switch, broken world, end of the job and refused command; or `Crashed` when
+the process fails. This module must not print: the driver does.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import cast
+
+import torch
+
+from ..runtime.events import Checkpointed, Event, Report, Stepped
+from ..runtime.loop import Command, run_member
+from ..runtime.member import Member
+from .faults import kill_at
+from .job import LocalJob
+
+
+@dataclass(frozen=True)
+class Crashed:
+    """The member's process failed (the error and its traceback): the job cannot go on."""
+
+    message: str
+
+
+class _PipeInbox:
+    """The driver's commands, from the member's end of its pipe."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def get(self, timeout: float | None) -> Command | None:
+        if not self.conn.poll(timeout):
+            return None
+        return cast(Command, self.conn.recv())
+
+
+def member_main(name: str, index: int, job: LocalJob, conn: Connection) -> None:
+    """The process of member `name`, the `index`-th started (which picks its GPU)."""
+    try:
+        torch.set_num_threads(1)
+        device = (
+            torch.device("cuda", index % torch.cuda.device_count())
+            if job.device == "cuda"
+            else torch.device("cpu")
+        )
+        hooks = job.hooks(name) if job.hooks is not None else None
+        member = Member(
+            name=name, spec=job.spec(), settings=job.settings, device=device,
+            deadlines=job.deadlines, job="local", checksums=job.checksums, hooks=hooks,
+        )  # fmt: skip
+        run_member(member, _PipeInbox(conn), _reporter(job, conn), _before_step(job))
+    except BaseException as err:
+        conn.send(Crashed(f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+
+
+def _reporter(job: LocalJob, conn: Connection) -> Report:
+    """Sends the driver the events it uses: steps from the world's rank 0 (every member's with
+    `record_samples`), checkpoints as reported by rank 0, everything else."""
+
+    def report(event: Event) -> None:
+        match event:
+            case Stepped(speaks=speaks, record=record):
+                if speaks or (job.record_samples and record.samples):
+                    conn.send(event)
+            case Checkpointed(report=True):
+                conn.send(event)
+            case Checkpointed():
+                pass
+            case _:
+                conn.send(event)
+
+    return report
+
+
+def _before_step(job: LocalJob) -> Callable[[Member], None]:
+    """`--checkpoint-every N`: every member asks for a checkpoint after each N-th step; `--kill
+    STEP:RANK`: the member at RANK dies as it begins step STEP (`faults`)."""
+    every, directory = job.checkpoint_every, job.checkpoint_dir
+    kill = kill_at(job.kills)
+
+    def before_step(member: Member) -> None:
+        after = member.step + 1
+        if every and after % every == 0:
+            assert directory is not None
+            path = os.path.join(directory, f"step-{after}")
+            member.request_checkpoint(after // every, path, at_step=after)
+        kill(member)
+
+    return before_step
