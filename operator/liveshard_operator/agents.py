@@ -2,6 +2,8 @@
 
 Every call carries the job's token and a deadline; a failed call raises `AgentError` with the
 gRPC status code, retryable when the agent may answer later (unavailable, deadline exceeded).
+What the agents' messages mean to the operator (a switch's result, its cause) is read in
+`messages`, which needs no channel.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ import grpc
 from liveshard.v1 import agent_pb2 as pb
 from liveshard.v1 import agent_pb2_grpc as pb_grpc
 from liveshard_core.errors import LiveshardError
-from liveshard_core.job import Cause, Deadlines, Result
+from liveshard_core.job import Deadlines
 from liveshard_core.layout.layout import Layout
+
+from .messages import to_proto
 
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 
@@ -25,27 +29,6 @@ class AgentError(LiveshardError):
     @property
     def retryable(self) -> bool:
         return self.code in _RETRYABLE
-
-
-def result_of(summary: pb.SwitchSummary) -> Result | None:
-    """A switch summary's result; None when the agent reported none."""
-    if summary.result == pb.SwitchSummary.RESULT_UNSPECIFIED:
-        return None
-    return Result[pb.SwitchSummary.Result.Name(summary.result)]
-
-
-def cause_of(summary: pb.SwitchSummary) -> Cause | None:
-    """A switch summary's abort cause; None for a commit."""
-    if summary.cause == pb.SwitchSummary.CAUSE_UNSPECIFIED:
-        return None
-    return Cause[pb.SwitchSummary.Cause.Name(summary.cause)]
-
-
-def to_proto(layout: Layout) -> pb.Layout:
-    return pb.Layout(
-        dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep, zero=layout.zero,
-        pp_layers=list(layout.pp_layers), members=list(layout.members),
-    )  # fmt: skip
 
 
 class AgentClient:

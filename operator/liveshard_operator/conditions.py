@@ -1,6 +1,7 @@
 """The job's status conditions (Ready, Reconfiguring, Degraded, Succeeded, Failed), in the
 standard metav1.Condition shape: a transition time that moves only when the status flips, the
-generation observed, and terminal conditions (Succeeded, Failed) that stay once true.
+generation observed, and terminal conditions (Succeeded, Failed) that stay once true. A transition
+is stamped with the time the caller gives (the pass's), else the clock's.
 """
 
 from __future__ import annotations
@@ -11,14 +12,18 @@ from typing import Any
 TERMINAL = ("Succeeded", "Failed")
 
 
-def _now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+def _stamp(now: float | None) -> str:
+    moment = datetime.now(UTC) if now is None else datetime.fromtimestamp(now, UTC)
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class Conditions:
-    def __init__(self, items: list[dict[str, Any]], generation: int) -> None:
+    def __init__(
+        self, items: list[dict[str, Any]], generation: int, now: float | None = None
+    ) -> None:
         self.items = [dict(c) for c in items]
         self.generation = generation
+        self.now = now
 
     def get(self, kind: str) -> dict[str, Any] | None:
         return next((c for c in self.items if c.get("type") == kind), None)
@@ -34,7 +39,7 @@ class Conditions:
         fresh = {
             "type": kind, "status": value, "reason": reason or "None", "message": message,
             "observedGeneration": self.generation,
-            "lastTransitionTime": _now() if current is None or current["status"] != value
+            "lastTransitionTime": _stamp(self.now) if current is None or current["status"] != value
             else current["lastTransitionTime"],
         }  # fmt: skip
         if current is None:

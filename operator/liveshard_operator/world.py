@@ -1,62 +1,54 @@
-"""The operator's record of a job's world and of a reconfiguration in flight, as kept in the job's
-status (`status.reconfiguration`), so that a restarted operator knows both.
+"""The operator's record of a job, as kept in its status (`status.reconfiguration`): the world in
+effect, the reconfiguration in flight, and what the next pass must remember (the epochs used, the
+aborts in a row and their backoff, a restore owed, members silent since when, the last checkpoint
+asked for), so that a restarted operator knows all of it.
+
+Values only: `Record.from_dict` reads what a pass finds in status, `Record.to_dict` is what the
+pass writes back (a merge patch: every field, None for what is no longer there).
 """
 
 from __future__ import annotations
 
-import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from liveshard_core.layout.layout import Layout
+from liveshard_core.layout.layout import Degrees, Layout
 from liveshard_core.vps.spec import ModelSpec
 
 
 @dataclass(frozen=True)
 class World:
-    """The layout in effect (or to come), with its members in rank order."""
+    """The layout in effect (or to come): its degrees and its members in rank order."""
 
     epoch: int
-    dp: int
-    tp: int
-    pp: int
-    ep: int
-    zero: int
-    pp_layers: tuple[int, ...]
+    degrees: Degrees  # its pipeline partition always set
     members: tuple[str, ...]
 
     @classmethod
     def of(cls, epoch: int, layout: Layout) -> World:
-        return cls(
-            epoch, layout.dp, layout.tp, layout.pp, layout.ep, layout.zero, layout.pp_layers,
-            layout.members,
-        )  # fmt: skip
+        return cls(epoch, layout.degrees, layout.members)
 
     def layout(self, spec: ModelSpec) -> Layout:
-        return Layout.create(
-            spec, self.members, dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep, zero=self.zero,
-            pp_layers=self.pp_layers,
-        )  # fmt: skip
+        return self.degrees.layout(spec, self.members)
 
     def describe(self) -> str:
-        stages = ":".join(map(str, self.pp_layers))
-        return (
-            f"dp={self.dp},tp={self.tp},pp={self.pp},ep={self.ep},zero={self.zero},"
-            f"pp_layers={stages}"
-        )
+        return self.degrees.describe()
 
     def to_dict(self) -> dict[str, Any]:
+        d = self.degrees
         return {
-            "epoch": self.epoch, "dp": self.dp, "tp": self.tp, "pp": self.pp, "ep": self.ep,
-            "zero": self.zero, "ppLayers": list(self.pp_layers), "members": list(self.members),
+            "epoch": self.epoch, "dp": d.dp, "tp": d.tp, "pp": d.pp, "ep": d.ep, "zero": d.zero,
+            "ppLayers": list(d.pp_layers or ()), "members": list(self.members),
         }  # fmt: skip
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> World:
-        return cls(
-            int(data["epoch"]), int(data["dp"]), int(data["tp"]), int(data["pp"]),
-            int(data["ep"]), int(data["zero"]), tuple(data["ppLayers"]), tuple(data["members"]),
+        degrees = Degrees(
+            dp=int(data["dp"]), tp=int(data["tp"]), pp=int(data["pp"]), ep=int(data["ep"]),
+            zero=int(data["zero"]), pp_layers=tuple(int(n) for n in data["ppLayers"]),
         )  # fmt: skip
+        return cls(int(data["epoch"]), degrees, tuple(data["members"]))
 
 
 @dataclass(frozen=True)
@@ -67,11 +59,11 @@ class InFlight:
     epoch: int
     reason: str
     new: World
-    store: tuple[str, int]
+    store: tuple[str, int]  # ("", 0) until a member hosts it
+    started: float  # seconds since the epoch (time.time()) when it was decided
     old: World | None = None
     lost: tuple[str, ...] = ()
     restore: str = ""
-    started: float = field(default_factory=time.time)
 
     def union(self) -> list[str]:
         old = [m for m in (self.old.members if self.old else ()) if m not in self.lost]
@@ -101,3 +93,43 @@ class InFlight:
             restore=str(data.get("restore") or ""),
             started=float(data["started"]),
         )
+
+
+@dataclass(frozen=True)
+class Record:
+    """What one pass leaves the next one (`status.reconfiguration`)."""
+
+    world: World | None = None  # None: no world has committed yet
+    in_flight: InFlight | None = None
+    last_epoch: int = -1  # the last epoch a reconfiguration was begun with (epochs never repeat)
+    attempts: int = 0  # reconfigurations aborted in a row
+    retry_after: float = 0.0  # no reconfiguration that can wait begins before this time
+    restore: str = ""  # why the job must restart from its last checkpoint ("": it need not)
+    silent: Mapping[str, float] = field(default_factory=dict)  # member -> silent since
+    checkpoint_asked: int = 0  # the number of the last checkpoint every member was asked for
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Record:
+        return cls(
+            world=World.from_dict(data["world"]) if data.get("world") else None,
+            in_flight=InFlight.from_dict(data["inFlight"]) if data.get("inFlight") else None,
+            last_epoch=int(data.get("lastEpoch", -1)),
+            attempts=int(data.get("attempts", 0)),
+            retry_after=float(data.get("retryAfter", 0)),
+            restore=str(data.get("restore") or ""),
+            silent={m: float(t) for m, t in (data.get("silent") or {}).items()},
+            checkpoint_asked=int(data.get("checkpointAsked", 0)),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        # A merge patch: None removes what the stored record has and this one does not.
+        return {
+            "world": self.world.to_dict() if self.world else None,
+            "inFlight": self.in_flight.to_dict() if self.in_flight else None,
+            "lastEpoch": self.last_epoch,
+            "attempts": self.attempts,
+            "retryAfter": self.retry_after,
+            "restore": self.restore or None,
+            "silent": dict(self.silent) or None,
+            "checkpointAsked": self.checkpoint_asked,
+        }

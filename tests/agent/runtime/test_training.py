@@ -15,9 +15,6 @@ Each job starts up to 6 processes.
 from __future__ import annotations
 
 import dataclasses
-import json
-import subprocess
-import sys
 from functools import cache, partial
 from pathlib import Path
 from typing import Any
@@ -40,7 +37,6 @@ from tests.agent.runtime.faults import votes_no
 STEPS = 30
 RTOL = 1e-4
 SETTINGS = TrainingSettings(steps=STEPS, dropout=0.1)
-LIVESHARD_LOCAL = Path(sys.executable).parent / "liveshard-local"
 
 
 def job(model: str, layout: str, *switches: str | ScriptedSwitch, **options: Any) -> LocalJob:
@@ -162,30 +158,3 @@ def test_a_switch_whose_vote_fails_leaves_training_in_the_old_layout() -> None:
     layouts = {e["layout"] for e in events if e["event"] == "step"}
     assert layouts == {"dp=4,tp=1,pp=1,ep=1,zero=0,pp_layers=4"}
     assert_same_training("tiny", events)
-
-
-def test_the_command_prints_json_lines_and_rejects_a_batch_that_cannot_divide() -> None:
-    done = subprocess.run(
-        [str(LIVESHARD_LOCAL), "--model", "tiny", "--steps", "10", "--nprocs", "2",
-         "--switch", "1:tp=2", "--json"],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    events = [json.loads(line) for line in done.stdout.splitlines()]
-    steps = [e for e in events if e["event"] == "step"]
-    assert [e["step"] for e in steps] == list(range(10))
-    assert set(steps[0]) >= {"step", "loss", "layout", "epoch", "step_seconds", "tokens"}
-    (switch,) = [e for e in events if e["event"] == "switch"]
-    assert set(switch) >= {"step", "from", "to", "pause_seconds", "prepare_seconds",
-                           "network_bytes", "result", "reason"}  # fmt: skip
-    # At the first boundary at or after step 1 at which every member is prepared.
-    assert switch["step"] >= 1 and switch["result"] == "committed"
-    assert [e["layout"] == switch["to"] for e in steps] == [
-        e["step"] >= switch["step"] for e in steps
-    ]
-    bad = subprocess.run(
-        [str(LIVESHARD_LOCAL), "--model", "tiny", "--nprocs", "4", "--switch", "5:dp=5"],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert bad.returncode == 2
-    assert "--switch 5:dp=5: global batch 24 does not divide into dp=5" in bad.stderr

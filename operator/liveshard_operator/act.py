@@ -1,0 +1,155 @@
+"""The executor of a job's decisions: the only place a pass changes anything, through the API
+server (`Kube`) and the agents (`AgentClient`), in the order a `Decision` says:
+
+1. `before`: abort requests, a finished job's releases and deletions;
+2. its ask: the store hosted (then the decision that begins the reconfiguration, or says why it
+   could not), or the checkpoint requested of every member (recorded only if all took it);
+3. the job's status, written once, in one merge patch: the record and what the pass reports;
+4. `after`: Prepare (never before the reconfiguration is recorded in flight), releases,
+   deletions, new pods, labels, events.
+
+A refused agent call is logged and the pass goes on (the next pass sees its effect or its
+absence); a failed API request ends the pass (the daemon retries it). Nothing is decided here.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from collections.abc import Callable
+from typing import Any, assert_never
+
+from . import render
+from .actions import (
+    AbortOn,
+    Action,
+    Begin,
+    Checkpoint,
+    CreatePod,
+    DeletePod,
+    Event,
+    LabelPod,
+    Prepare,
+    ReleaseMember,
+)
+from .agents import AgentClient, AgentError
+from .decision import Decision, checkpointed, hosted, not_hosted
+from .kube import Kube
+
+log = logging.getLogger(__name__)
+
+Events = Callable[[dict[str, Any], str, str, str], None]  # (job, type, reason, message)
+
+
+class Executor:
+    """Carries out the decisions of one job; `clients` holds its agents' clients (by pod), as
+    `observe` keeps them."""
+
+    def __init__(
+        self,
+        kube: Kube,
+        namespace: str,
+        name: str,
+        events: Events,
+        clients: dict[str, AgentClient],
+    ) -> None:
+        self.kube, self.namespace, self.name = kube, namespace, name
+        self.events, self.clients = events, clients
+
+    def ensure_objects(self, job: dict[str, Any]) -> None:
+        """The job's token Secret and PodDisruptionBudget, created when missing."""
+        if self.kube.get(self.namespace, "secrets", render.secret_name(self.name)) is None:
+            self.kube.create(self.namespace, "secrets", render.token_secret(job))
+        if self.kube.get(self.namespace, "poddisruptionbudgets", self.name) is None:
+            self.kube.create(self.namespace, "poddisruptionbudgets", render.disruption_budget(job))
+
+    def token(self) -> str:
+        """The job's token, which every agent call carries."""
+        secret = self.kube.get(self.namespace, "secrets", render.secret_name(self.name))
+        assert secret is not None  # ensure_objects created it
+        return base64.b64decode(secret["data"][render.TOKEN_KEY]).decode()
+
+    def write(self, status: dict[str, Any]) -> None:
+        self.kube.patch_job_status(self.namespace, self.name, status)
+
+    def run(self, decision: Decision) -> None:
+        """Carry out `decision` (see the module's docstring for the order)."""
+        for action in decision.before:
+            self._do(decision, action)
+        decision = self._answer(decision)
+        self.write(decision.status)
+        for action in decision.after:
+            self._do(decision, action)
+
+    def _answer(self, decision: Decision) -> Decision:
+        ask = decision.ask
+        if isinstance(ask, Begin):
+            plan = ask.plan
+            try:
+                store = self.clients[ask.host].host_store(plan.epoch)
+            except (AgentError, KeyError) as err:
+                return not_hosted(decision, str(err))
+            log.info("job %s: epoch %s: %s", self.name, plan.epoch, plan.reason)
+            return hosted(decision, store)
+        if isinstance(ask, Checkpoint):
+            for member in ask.members:
+                try:
+                    self.clients[member].checkpoint(ask.number, ask.path, ask.at_step)
+                except (AgentError, KeyError) as err:
+                    log.warning(
+                        "job %s: checkpoint %s on %s: %s", self.name, ask.number, member, err
+                    )
+                    return checkpointed(decision, taken=False)
+            return checkpointed(decision, taken=True)
+        return decision
+
+    def _do(self, decision: Decision, action: Action) -> None:
+        match action:
+            case CreatePod(pod=pod):
+                self.kube.create(self.namespace, "pods", pod)
+            case DeletePod(pod=pod, because=because):
+                if because:
+                    log.warning("job %s: deleting %s: %s", self.name, pod, because)
+                self.kube.delete(self.namespace, "pods", pod)
+            case ReleaseMember(member=member):
+                self._release(member)
+            case LabelPod(pod=pod, role=role):
+                labels = {"metadata": {"labels": {render.ROLE_LABEL: role}}}
+                self.kube.patch(self.namespace, "pods", pod, labels)
+            case Prepare():
+                self._prepare(action)
+            case AbortOn(member=member, epoch=epoch):
+                try:
+                    self.clients[member].abort(epoch)
+                except AgentError as err:
+                    log.info("job %s: aborting epoch %s on %s: %s", self.name, epoch, member, err)
+            case Event():
+                self._post(decision, action)
+            case _:
+                assert_never(action)
+
+    def _release(self, member: str) -> None:
+        client = self.clients.get(member)
+        if client is None:  # never answered: nothing to release
+            return
+        try:
+            client.release()
+        except AgentError as err:
+            log.info("job %s: releasing %s: %s", self.name, member, err)
+
+    def _prepare(self, prepare: Prepare) -> None:
+        try:
+            self.clients[prepare.member].prepare(
+                epoch=prepare.epoch, store=prepare.store, to=prepare.to, old=prepare.old,
+                lost=list(prepare.lost), budget=prepare.budget, deadlines=prepare.deadlines,
+                at_step=0, restore_from=prepare.restore_from,
+            )  # fmt: skip
+        except AgentError as err:
+            log.warning("job %s: epoch %s: prepare on %s: %s", self.name, prepare.epoch,
+                        prepare.member, err)  # fmt: skip
+
+    def _post(self, decision: Decision, event: Event) -> None:
+        try:
+            self.events(decision.job.body, event.type.value, event.reason, event.message)
+        except Exception as err:  # an event is worth a log line, never a failed pass
+            log.warning("job %s: posting event %s: %s", self.name, event.reason, err)

@@ -1,0 +1,246 @@
+"""What one reconcile pass of a job does, decided from what it saw: a pure function of the job's
+pods and their agents' statuses, the record the last pass left in status, the job's spec, its
+model and the time. It returns the actions to take and the record and status to write (`Decision`);
+`act` carries them out. No I/O, no clock, no gRPC here.
+
+Each pass compares what the job asks for (its spec: the replica count, the constraints) with what
+is (the pods, what their agents say, the world and the reconfiguration in flight as recorded) and
+does one thing:
+- no world yet: create the pods, wait until their agents are ready (pre-warmed), choose a layout,
+  have a member host the store, and ask every member to start the first world;
+- a reconfiguration in flight: finish it when every new member trains in its epoch (release the
+  members that left, delete their pods), or abort it everywhere when an agent reports an abort,
+  a failed prepare, a pod vanishes or its deadline passes (then retry with backoff);
+- otherwise: replace leaving or lost members at once (a drained node, a deleted pod: the pod's
+  grace period is the budget; a pod that ended without notice took its state along, and its
+  bytes come from surviving copies), follow the replica count (new pods pre-warm as standby
+  first), and start a reconfiguration when the layout or the members must change;
+- a recovery from a lost member that aborted (no surviving copy of some state, or survivors that
+  stopped in different states) cannot succeed by retrying: the job starts a new first world from
+  its last saved checkpoint with the pods it has (its step goes back to the checkpoint's), or is
+  Failed when it saved none.
+
+A decision to begin a reconfiguration or to take a checkpoint is an *ask* whose answer the
+executor gives back before it writes anything (`decision`); a reconfiguration in flight is
+`inflight`'s to decide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from liveshard.v1 import agent_pb2 as pb
+from liveshard_core.errors import InvalidInput
+
+from . import policy
+from .actions import Begin, Checkpoint, DeletePod, ReleaseMember
+from .decision import Decision, Draft
+from .inflight import progress
+from .observation import Job, Observation, Pod
+from .publish import Failure
+from .world import InFlight, Record, World
+
+_RESTARTABLE = (pb.AgentStatus.STANDBY, pb.AgentStatus.BROKEN)  # may join a restored first world
+_NO_STORE = ("", 0)  # a plan's store until its host answers
+
+
+def decide(seen: Observation, record: Record, job: Job, now: float) -> Decision:
+    """The next idempotent step of `job` (see the module's docstring)."""
+    draft = Draft(seen, record, job, now)
+    if record.in_flight is not None:
+        progress(draft, record.in_flight)
+    elif record.world is None:
+        _start(draft)
+    else:
+        _steady(draft, record.world)
+    return draft.decision()
+
+
+# ---- what the agents say ----
+
+
+def _broken(pod: Pod | None) -> bool:
+    return pod is not None and pod.agent is not None and pod.agent.phase == pb.AgentStatus.BROKEN
+
+
+def _done(pod: Pod | None) -> bool:
+    return pod is not None and pod.agent is not None and pod.agent.phase == pb.AgentStatus.DONE
+
+
+# ---- the first world ----
+
+
+def _start(draft: Draft) -> None:
+    spec = draft.job.spec
+    wanted = spec.replicas
+    draft.keep_pods(wanted, set())
+    ready = [p for p in draft.seen.live() if p.standing_by]
+    if wanted == 0 or len(ready) < wanted:
+        draft.message = f"waiting for {wanted} ready pods ({len(ready)} ready)"
+        return
+    if _backing_off(draft):
+        return
+    try:
+        choice = policy.choose(draft.job.model, spec, len(ready))
+    except InvalidInput as err:
+        draft.message = str(err)
+        return
+    members = [p.name for p in ready[: choice.used]]
+    layout = choice.degrees.layout(draft.job.model, members)
+    restore = spec.restore_from
+    reason = f"start with {choice.why}" + (f", from {restore}" if restore else "")
+    _begin(draft, InFlight(
+        epoch=_next_epoch(draft), reason=reason, new=World.of(0, layout), store=_NO_STORE,
+        started=draft.now, restore=restore,
+    ))  # fmt: skip
+
+
+# ---- a world exists ----
+
+
+def _steady(draft: Draft, world: World) -> None:
+    if draft.record.restore:
+        _restore(draft, draft.record.restore)
+        return
+    spec, model = draft.job.spec, draft.job.model
+    pods, members = draft.seen.pods, list(world.members)
+    if any(_done(pods.get(m)) for m in members):
+        _finish(draft)
+        return
+    lost = [m for m in members if m not in pods or pods[m].gone] + _silent(draft, members)
+    leaving = [m for m in members if m in pods and pods[m].leaving and m not in lost]
+    stayers = [m for m in members if m not in lost and m not in leaving]
+    standby = [p for p in draft.seen.live() if p.standing_by and p.name not in members]
+    starting = [p for p in draft.seen.live() if not p.ready and p.name not in members]
+    wanted = spec.replicas
+    draft.keep_pods(wanted, set(members))
+    draft.label(set(members))
+    for pod in pods.values():  # a standing-by pod that must go holds no state
+        if pod.leaving and pod.name not in members:
+            draft.after.append(ReleaseMember(pod.name))
+    urgent = lost or leaving
+    candidates = stayers + [p.name for p in standby]
+    target = min(wanted, len(candidates))
+    draft.spares = [p.name for p in standby]
+    if not urgent and starting and len(candidates) < wanted:
+        draft.message = f"pre-warming {len(starting)} pod(s)"
+        return
+    if target == 0:
+        draft.message = "no member can be kept: every member is leaving or lost"
+        return
+    try:
+        choice = policy.choose(model, spec, target)
+    except InvalidInput as err:
+        draft.message = str(err)
+        return
+    old = world.layout(model)
+    joiners = [p.name for p in standby]
+    new_members = policy.assign(model, old, choice.degrees, stayers, joiners)
+    draft.spares = [m for m in candidates if m not in new_members]
+    if choice.degrees.layout(model, new_members) == old:
+        if len(candidates) > choice.used:
+            draft.message = (
+                f"{len(candidates) - choice.used} pod(s) stand by as hot spares: no layout "
+                f"of {model.config.name} uses {len(candidates)} members ({choice.why})"
+            )
+        _checkpoint_if_due(draft, world)
+        return
+    if _backing_off(draft) and not urgent:
+        return
+    reasons = []
+    if lost:
+        reasons.append(f"lost {', '.join(lost)}")
+    if leaving:
+        reasons.append(f"evicting {', '.join(leaving)}")
+    if len(new_members) != len(members) and not urgent:
+        reasons.append(f"scale {len(members)} -> {len(new_members)}")
+    layout = choice.degrees.layout(model, new_members)
+    _begin(draft, InFlight(
+        epoch=_next_epoch(draft), reason="; ".join(reasons) or "new layout",
+        new=World.of(0, layout), store=_NO_STORE, started=draft.now, old=world, lost=tuple(lost),
+    ))  # fmt: skip
+
+
+def _silent(draft: Draft, members: list[str]) -> list[str]:
+    """Members whose agent has answered nothing for the op deadline while another's world
+    broke: dead or hung, they hold up the others; their pods are deleted and they count as
+    lost. The time each was first seen silent is recorded (before its pod is deleted), so the
+    deadline holds across passes and restarts."""
+    pods, now = draft.seen.pods, draft.now
+    broken = any(_broken(pods.get(m)) for m in members)
+    silent = [m for m in members if broken and m in pods and not pods[m].gone
+              and pods[m].agent is None]  # fmt: skip
+    recorded = draft.record.silent
+    since = {m: t for m, t in recorded.items() if m in silent}
+    since.update({m: now for m in silent if m not in since})
+    draft.record = replace(draft.record, silent=since)
+    out = [m for m in silent if now - since[m] >= draft.job.spec.deadlines.op]
+    for member in out:
+        why = f"answers nothing while its world is broken: {pods[member].error}"
+        draft.after.append(DeletePod(member, because=why))
+    return out
+
+
+def _finish(draft: Draft) -> None:
+    """The job trained its last step: release every agent and delete the pods."""
+    draft.finished = True
+    for pod in draft.seen.pods.values():
+        draft.before += [ReleaseMember(pod.name), DeletePod(pod.name)]
+
+
+def _next_epoch(draft: Draft) -> int:
+    world = draft.record.world
+    return max(draft.record.last_epoch, world.epoch if world else -1) + 1
+
+
+def _backing_off(draft: Draft) -> bool:
+    return draft.now < draft.record.retry_after
+
+
+def _checkpoint_if_due(draft: Draft, world: World) -> None:
+    spec = draft.job.spec
+    if not spec.checkpoint_every or not spec.checkpoint_path:
+        return
+    speaker = draft.seen.pods.get(world.members[0])
+    if speaker is None or speaker.agent is None:
+        return
+    number = speaker.agent.step // spec.checkpoint_every + 1
+    if draft.record.checkpoint_asked >= number:
+        return
+    at_step = number * spec.checkpoint_every
+    path = f"{spec.checkpoint_path.rstrip('/')}/step-{at_step}"
+    draft.ask = Checkpoint(world.members, number, path, at_step)
+
+
+def _restore(draft: Draft, why: str) -> None:
+    """Start a new first world from the last checkpoint the members saved, with every ready
+    pod that is standing by or whose world broke; Failed when none was saved."""
+    spec, model = draft.job.spec, draft.job.model
+    saved = [p.agent.last_checkpoint for p in draft.seen.pods.values()
+             if p.agent is not None and p.agent.last_checkpoint.path]  # fmt: skip
+    if not saved:
+        message = f"{why}; no checkpoint was saved, so the job cannot go on"
+        draft.failure = Failure("NoCopyNoCheckpoint", message)
+        return
+    last = max(saved, key=lambda c: c.number)
+    ready = [p.name for p in draft.seen.live()
+             if p.ready and p.agent is not None and p.agent.phase in _RESTARTABLE]  # fmt: skip
+    draft.keep_pods(spec.replicas, set(ready))
+    try:
+        choice = policy.choose(model, spec, min(spec.replicas, len(ready)))
+    except InvalidInput as err:
+        draft.message = f"restoring {last.path}: {err}"
+        return
+    layout = choice.degrees.layout(model, ready[: choice.used])
+    _begin(draft, InFlight(
+        epoch=_next_epoch(draft), new=World.of(0, layout), store=_NO_STORE, started=draft.now,
+        reason=f"restore from {last.path} (step {last.step}): {why}", restore=last.path,
+    ), restores=True)  # fmt: skip
+
+
+def _begin(draft: Draft, plan: InFlight, restores: bool = False) -> None:
+    """Ask a member that stays through the change to host the epoch's store; `hosted` then
+    records the reconfiguration and asks every member of either layout to prepare it."""
+    new = World.of(plan.epoch, plan.new.layout(draft.job.model))
+    stays = [m for m in new.members if plan.old is None or m in plan.old.members]
+    draft.ask = Begin((stays or list(new.members))[0], replace(plan, new=new), restores)

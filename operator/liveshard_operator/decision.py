@@ -1,0 +1,164 @@
+"""One reconcile pass's decision as a value (`Decision`), the draft a pass fills in to make it
+(`Draft`), and how the answers to its asks complete it (`hosted`, `not_hosted`, `checkpointed`).
+
+A decision to begin a reconfiguration is an ask (`Begin`): its store's address, which only the
+member asked to host it knows, goes into the record that the reconfiguration is in flight, and
+that record must be written before any member is asked to prepare (a restarted operator then
+resumes or aborts the reconfiguration, and never leaves members prepared for an epoch no record
+names). The executor asks the host within the pass and gives the answer to `hosted` or
+`not_hosted`, which return the decision it then writes and carries out: the Prepare calls come
+after the write. Asking the members for a checkpoint is the other ask: the record says it was
+asked only once every member took it (`checkpointed`), so a refusal is asked again next pass.
+
+Pure, like everything the decision is made of.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from . import publish, render
+from .actions import (
+    Action,
+    Ask,
+    Begin,
+    Checkpoint,
+    CreatePod,
+    DeletePod,
+    Event,
+    EventType,
+    LabelPod,
+    Prepare,
+    ReleaseMember,
+)
+from .observation import Job, Observation, trains_in
+from .publish import Failure, Report, Summary
+from .world import InFlight, Record
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What one pass does. The executor does `before`, answers `ask` (which gives the decision
+    it goes on with), writes `status` once, then does `after`.
+
+    `before` holds what the status will say has happened: abort requests (the abort is recorded
+    after them; a restarted operator that still finds the reconfiguration in flight aborts it
+    again) and a finished job's releases and deletions (a job marked Succeeded is not looked at
+    again). `after` holds what the written record makes safe (Prepare once the reconfiguration
+    is recorded in flight, the members that left released once the commit is recorded, a silent
+    member's pod deleted once its silence is recorded) and everything else.
+    """
+
+    job: Job
+    seen: Observation
+    now: float
+    record: Record
+    report: Report = field(default_factory=Report)
+    before: tuple[Action, ...] = ()
+    after: tuple[Action, ...] = ()
+    ask: Ask | None = None
+
+    @property
+    def status(self) -> dict[str, Any]:
+        """The status patch to write: the record and what the pass reports."""
+        return publish.status(self.job, self.seen, self.record, self.report, self.now)
+
+
+@dataclass
+class Draft:
+    """The decision as one pass builds it: the record it will leave, what it will report, and
+    the actions and ask it has decided so far."""
+
+    seen: Observation
+    record: Record
+    job: Job
+    now: float
+    message: str = ""
+    spares: list[str] = field(default_factory=list)
+    last: Summary | None = None
+    failure: Failure | None = None
+    finished: bool = False
+    before: list[Action] = field(default_factory=list)
+    after: list[Action] = field(default_factory=list)
+    ask: Ask | None = None
+
+    def decision(self) -> Decision:
+        report = Report(self.message, tuple(self.spares), self.last, self.failure, self.finished)
+        return Decision(self.job, self.seen, self.now, self.record, report,
+                        tuple(self.before), tuple(self.after), self.ask)  # fmt: skip
+
+    def keep_pods(self, wanted: int, members: set[str]) -> None:
+        """Create pods until `wanted` live ones exist; delete surplus pods not in `members`."""
+        live = self.seen.live()
+        for _ in range(wanted - len(live)):
+            self.after.append(CreatePod(render.worker_pod(self.job.body, self.job.spec)))
+        surplus = [p for p in reversed(live) if p.name not in members]
+        for pod in surplus[: max(len(live) - wanted, 0)]:
+            self.after += [ReleaseMember(pod.name), DeletePod(pod.name)]
+
+    def label(self, members: set[str]) -> None:
+        """Label `members` as the world's (the scale selector's) and every other pod standby."""
+        for pod in self.seen.pods.values():
+            role = render.MEMBER if pod.name in members else render.STANDBY
+            if pod.role != role and not pod.gone:
+                self.after.append(LabelPod(pod.name, role))
+
+
+def prepares(job: Job, seen: Observation, plan: InFlight) -> list[Prepare]:
+    """Prepare for every member of the change that has not taken it yet."""
+    spec = job.spec
+    old = plan.old.layout(job.model) if plan.old else None
+    new = plan.new.layout(job.model)
+    out = []
+    for member in plan.union():
+        pod = seen.pods.get(member)
+        agent = pod.agent if pod is not None else None
+        if agent is None or trains_in(agent, plan.epoch):
+            continue
+        if agent.HasField("pending") and agent.pending.epoch == plan.epoch:
+            continue
+        out.append(Prepare(
+            member, plan.epoch, plan.store, new, old, plan.lost, spec.budget_bytes,
+            spec.deadlines, plan.restore,
+        ))  # fmt: skip
+    return out
+
+
+def hosted(decision: Decision, store: tuple[str, int]) -> Decision:
+    """`decision` once the host of the reconfiguration it begins serves its store at `store`:
+    the reconfiguration recorded in flight, announced, and Prepare sent after the write."""
+    begin = _begun(decision)
+    plan = replace(begin.plan, store=store)
+    restore = "" if begin.restores else decision.record.restore  # owed no more once begun
+    record = replace(decision.record, in_flight=plan, last_epoch=plan.epoch, restore=restore)
+    before = plan.old.describe() if plan.old else "nothing"
+    change = f"epoch {plan.epoch}: {plan.reason}: {before} -> {plan.new.describe()}"
+    event = Event(EventType.NORMAL, "Reconfiguring", change)
+    after = (*decision.after, event, *prepares(decision.job, decision.seen, plan))
+    return replace(decision, record=record, after=after, ask=None)
+
+
+def not_hosted(decision: Decision, error: str) -> Decision:
+    """`decision` when no store could be hosted: nothing begins, the status says why."""
+    begin = _begun(decision)
+    message = f"epoch {begin.plan.epoch}: hosting the store on {begin.host}: {error}"
+    return replace(decision, report=replace(decision.report, message=message), ask=None)
+
+
+def checkpointed(decision: Decision, taken: bool) -> Decision:
+    """`decision` once every member took the checkpoint request (`taken`), or one refused it
+    (nothing is recorded: the next pass asks again)."""
+    checkpoint = decision.ask
+    if not isinstance(checkpoint, Checkpoint):
+        raise ValueError(f"the decision asks {checkpoint!r}, not for a checkpoint")
+    record = decision.record
+    if taken:
+        record = replace(record, checkpoint_asked=checkpoint.number)
+    return replace(decision, record=record, ask=None)
+
+
+def _begun(decision: Decision) -> Begin:
+    if not isinstance(decision.ask, Begin):
+        raise ValueError(f"the decision asks {decision.ask!r}, not to host a store")
+    return decision.ask

@@ -1,0 +1,125 @@
+"""A reconfiguration in flight, decided from what its members' agents say: commit it when every
+member of the new world trains in its epoch, abort it when one gave up, a member vanished or its
+deadline passed (then retry with backoff, or restore from a checkpoint when the same recovery
+would abort again), fail the job when some members committed and others did not, and otherwise
+wait, sending Prepare to whoever has not taken it yet. Pure, like `decide`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from liveshard.v1 import agent_pb2 as pb
+from liveshard_core.job import Result
+
+from .actions import AbortOn, DeletePod, Event, EventType, ReleaseMember
+from .decision import Draft, prepares
+from .messages import cause_of, result_of
+from .observation import trains_in
+from .publish import Failure, Summary
+from .world import InFlight
+
+_MAX_BACKOFF = 120.0
+
+
+def backoff(attempts: int) -> float:
+    """Seconds before retrying after `attempts` aborted reconfigurations in a row."""
+    return min(5.0 * 2.0 ** max(attempts - 1, 0), _MAX_BACKOFF)
+
+
+def _gave_up(agent: pb.AgentStatus, epoch: int) -> bool:
+    """Whether the agent aborted `epoch`'s switch or failed to prepare it."""
+    switch, pending = agent.last_switch, agent.pending
+    aborted = (
+        agent.HasField("last_switch")
+        and switch.epoch == epoch
+        and result_of(switch) is Result.ABORTED
+    )
+    failed = agent.HasField("pending") and pending.epoch == epoch
+    return aborted or (failed and pending.state == pb.Pending.FAILED)
+
+
+def progress(draft: Draft, plan: InFlight) -> None:
+    """The next step of `plan`, in flight."""
+    pods = draft.seen.pods
+    union = plan.union()
+    agents: dict[str, pb.AgentStatus] = {}
+    for member in union:
+        pod = pods.get(member)
+        if pod is not None and pod.agent is not None:
+            agents[member] = pod.agent
+    trained = [m for m in plan.new.members if m in agents and trains_in(agents[m], plan.epoch)]
+    aborted = [m for m, a in agents.items() if _gave_up(a, plan.epoch)]
+    vanished = [m for m in union if m not in pods or pods[m].gone]
+    overdue = draft.now - plan.started > draft.job.spec.deadlines.total + 60
+    if len(trained) == len(plan.new.members):
+        _commit(draft, plan, agents)
+    elif trained and (aborted or vanished):
+        _split(draft, plan, trained, aborted + vanished)
+    elif aborted or vanished or overdue:
+        why = (f"aborted by {', '.join(aborted)}" if aborted else
+               f"lost {', '.join(vanished)}" if vanished else "deadline passed")  # fmt: skip
+        detail = next((agents[m].last_switch.reason or agents[m].pending.reason
+                       for m in aborted), "")  # fmt: skip
+        why = f"{why}: {detail}" if detail else why
+        _abort(draft, plan, why, agents)
+        causes = {cause_of(agents[m].last_switch) for m in aborted}
+        # the same recovery would abort again
+        if plan.lost and any(c is not None and c.permanent for c in causes):
+            lost = ", ".join(plan.lost)
+            restore = f"the recovery from the loss of {lost} {why}"
+            draft.record = replace(draft.record, restore=restore)
+    else:
+        draft.after += prepares(draft.job, draft.seen, plan)
+        draft.message = (
+            f"epoch {plan.epoch}: {len(trained)}/{len(plan.new.members)} members switched"
+        )
+
+
+def _commit(draft: Draft, plan: InFlight, agents: dict[str, pb.AgentStatus]) -> None:
+    speaker = agents[plan.new.members[0]].last_switch
+    last = Summary.of(
+        plan, Result.COMMITTED, speaker.reason or f"epoch {plan.epoch}: committed",
+        pause_seconds=round(speaker.pause_seconds, 4) if plan.old else 0.0,
+        bytes_moved=int(speaker.network_bytes),
+    )  # fmt: skip
+    draft.record = replace(draft.record, world=plan.new, in_flight=None, attempts=0,
+                           retry_after=0.0)  # fmt: skip
+    draft.last = last
+    draft.after.append(Event(EventType.NORMAL, "Reconfigured",
+                             f"epoch {plan.epoch} committed: {last.old or 'nothing'} -> "
+                             f"{last.new} ({plan.reason}); pause {last.pause_seconds} s, "
+                             f"{last.bytes_moved} bytes moved"))  # fmt: skip
+    members = set(plan.new.members)
+    draft.label(members)
+    left = [m for m in (plan.old.members if plan.old else ()) if m not in members]
+    wanted = draft.job.spec.replicas
+    for member in left:
+        pod = draft.seen.pods.get(member)
+        draft.after.append(ReleaseMember(member))
+        if pod is not None and not pod.leaving and len(draft.seen.live()) > wanted:
+            draft.after.append(DeletePod(member))
+
+
+def _abort(draft: Draft, plan: InFlight, why: str, agents: dict[str, pb.AgentStatus]) -> None:
+    for member, agent in agents.items():
+        if agent.HasField("pending") and agent.pending.epoch == plan.epoch:
+            draft.before.append(AbortOn(member, plan.epoch))
+    attempts = draft.record.attempts + 1
+    draft.record = replace(draft.record, in_flight=None, attempts=attempts,
+                           retry_after=draft.now + backoff(attempts))  # fmt: skip
+    draft.last = Summary.of(plan, Result.ABORTED, why)
+    draft.after.append(Event(EventType.WARNING, "ReconfigurationAborted",
+                             f"epoch {plan.epoch} aborted ({plan.reason}): {why}; the job keeps "
+                             f"its layout, retry in {backoff(attempts):.0f} s"))  # fmt: skip
+
+
+def _split(draft: Draft, plan: InFlight, trained: list[str], failed: list[str]) -> None:
+    """Some members committed and others did not (a member died during the vote): no world
+    is whole. Only a checkpoint can bring the job back."""
+    message = (
+        f"epoch {plan.epoch}: members {trained} committed but {failed} did not (a member "
+        "failed during the vote); restore the job from a checkpoint"
+    )
+    draft.failure = Failure("SplitReconfiguration", message)
+    draft.after.append(Event(EventType.WARNING, "SplitReconfiguration", message))

@@ -1,0 +1,112 @@
+"""What one reconcile pass sees, as values: the job as read (its spec parsed), its pods, whether
+each is leaving or gone, and what each pod's agent said.
+
+A pod is *leaving* when it is being deleted, has a `DisruptionTarget` condition, or sits on a
+node that is cordoned or tainted `NoExecute`: its state must move out now. A pod is *gone* when
+it has ended (a worker never restarts in place: its state is lost with its process).
+
+Pure: the reads themselves (the API server, the agents) are `observe`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from liveshard.v1 import agent_pb2 as pb
+from liveshard_core.vps.spec import ModelSpec
+
+from .render import ROLE_LABEL
+from .spec import JobSpec
+
+_TRAINING = (pb.AgentStatus.TRAINING, pb.AgentStatus.DONE)
+
+
+def trains_in(agent: pb.AgentStatus | None, epoch: int) -> bool:
+    """Whether the agent trains (or has trained its last step) in `epoch` or a later one."""
+    return agent is not None and agent.epoch >= epoch and agent.phase in _TRAINING
+
+
+@dataclass(frozen=True)
+class Job:
+    """The ElasticTrainingJob as read at the start of the pass, with its spec parsed."""
+
+    body: dict[str, Any]  # the object as the API server returned it
+    spec: JobSpec
+    model: ModelSpec  # the model as the agents build it (`spec.model_spec()`)
+
+    @property
+    def name(self) -> str:
+        return str(self.body["metadata"]["name"])
+
+    @property
+    def generation(self) -> int:
+        return int(self.body["metadata"].get("generation", 0))
+
+    @property
+    def status(self) -> dict[str, Any]:
+        return dict(self.body.get("status") or {})
+
+
+@dataclass(frozen=True)
+class Pod:
+    name: str
+    ip: str | None
+    role: str
+    leaving: bool
+    gone: bool
+    created: str
+    agent: pb.AgentStatus | None  # None: not answering (yet)
+    error: str = ""
+
+    @property
+    def ready(self) -> bool:
+        return self.agent is not None and self.agent.ready and not self.leaving and not self.gone
+
+    @property
+    def standing_by(self) -> bool:
+        return self.ready and self.agent is not None and self.agent.phase == pb.AgentStatus.STANDBY
+
+
+@dataclass(frozen=True)
+class Observation:
+    pods: dict[str, Pod]
+
+    def live(self) -> list[Pod]:
+        """Pods that are neither gone nor leaving, oldest first."""
+        return sorted(
+            (p for p in self.pods.values() if not p.gone and not p.leaving),
+            key=lambda p: (p.created, p.name),
+        )
+
+
+def node_leaving(node: dict[str, Any]) -> bool:
+    spec = node.get("spec") or {}
+    taints = spec.get("taints") or []
+    return bool(spec.get("unschedulable")) or any(t.get("effect") == "NoExecute" for t in taints)
+
+
+def gone(pod: dict[str, Any]) -> bool:
+    return (pod.get("status") or {}).get("phase") in ("Failed", "Succeeded")
+
+
+def leaving(pod: dict[str, Any], leaving_nodes: set[str]) -> bool:
+    if pod["metadata"].get("deletionTimestamp"):
+        return True
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    if any(c.get("type") == "DisruptionTarget" and c.get("status") == "True" for c in conditions):
+        return True
+    return (pod.get("spec") or {}).get("nodeName") in leaving_nodes
+
+
+def pod_of(
+    pod: dict[str, Any], leaving_nodes: set[str], agent: pb.AgentStatus | None, error: str = ""
+) -> Pod:
+    """A pod as the API server returned it, with what its agent said (or why it said nothing)."""
+    meta, status = pod["metadata"], pod.get("status") or {}
+    return Pod(
+        name=meta["name"], ip=status.get("podIP"),
+        role=(meta.get("labels") or {}).get(ROLE_LABEL, ""),
+        leaving=leaving(pod, leaving_nodes), gone=gone(pod),
+        created=meta.get("creationTimestamp", ""), agent=agent, error=error,
+    )  # fmt: skip

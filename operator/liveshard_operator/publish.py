@@ -1,0 +1,122 @@
+"""The job's status as one pass leaves it, computed in memory from what the pass saw and decided:
+the world in effect, how many members train, the phase and conditions, the last reconfiguration's
+summary, and the record the next pass reads (`status.reconfiguration`). The executor writes it as
+one merge patch.
+
+Pure: the time is the pass's, given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from liveshard_core.job import Result
+
+from . import render
+from .conditions import Conditions
+from .observation import Job, Observation, trains_in
+from .world import InFlight, Record
+
+
+@dataclass(frozen=True)
+class Summary:
+    """How a reconfiguration ended (`status.lastReconfiguration`)."""
+
+    epoch: int
+    reason: str
+    old: str  # the layout it started from ("": none, a first world)
+    new: str
+    result: Result
+    message: str
+    pause_seconds: float = 0.0
+    bytes_moved: int = 0
+
+    @classmethod
+    def of(cls, plan: InFlight, result: Result, message: str, **measured: Any) -> Summary:
+        old = plan.old.describe() if plan.old else ""
+        return cls(plan.epoch, plan.reason, old, plan.new.describe(), result, message, **measured)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch, "reason": self.reason, "from": self.old, "to": self.new,
+            "pauseSeconds": self.pause_seconds, "bytesMoved": self.bytes_moved,
+            "result": self.result.value, "message": self.message,
+        }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why the job cannot go on (the Failed condition's reason and message)."""
+
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Report:
+    """What a pass concluded that the status tells beyond the record."""
+
+    message: str = ""  # the Ready and Degraded conditions' message
+    spares: tuple[str, ...] = ()  # ready pods no layout uses
+    last: Summary | None = None  # the reconfiguration this pass ended
+    failure: Failure | None = None
+    finished: bool = False  # the job trained its last step
+
+
+def status(
+    job: Job, seen: Observation, record: Record, report: Report, now: float
+) -> dict[str, Any]:
+    """The status patch of a pass that leaves `record` and concluded `report`."""
+    conds = Conditions(job.status.get("conditions") or [], job.generation, now)
+    world, plan, pods = record.world, record.in_flight, seen.pods
+    out: dict[str, Any] = {
+        "observedGeneration": job.generation,
+        "selector": render.selector(job.name),
+        "replicas": len(world.members) if world else 0,
+    }
+    training: list[str] = []
+    if world is not None:
+        training = [m for m in world.members if m in pods and trains_in(pods[m].agent, world.epoch)]
+        speaker = pods.get(world.members[0])
+        if speaker is not None and speaker.agent is not None:
+            out["step"] = int(speaker.agent.step)
+            out["loss"] = round(float(speaker.agent.loss), 6)
+        out.update(epoch=world.epoch, layout=world.describe(), members=list(world.members))
+    out["readyReplicas"] = len(training)
+    out["spares"] = list(report.spares)
+    if report.last is not None:
+        out["lastReconfiguration"] = report.last.to_dict()
+    message = report.message
+    if report.failure is not None:
+        phase = "Failed"
+        conds.set("Failed", True, report.failure.reason, report.failure.message)
+    elif report.finished:
+        phase = "Succeeded"
+        conds.set("Succeeded", True, "Trained", f"trained {job.spec.training.steps} steps")
+    elif plan is not None:
+        phase = "Reconfiguring"
+    elif world is not None:
+        phase = "Running"
+    else:
+        phase = "Pending"
+    conds.set("Ready", phase == "Running", phase, message or f"{len(training)} members training")
+    conds.set("Reconfiguring", plan is not None, "InFlight" if plan else "Idle",
+              f"epoch {plan.epoch}: {plan.reason}" if plan else "")  # fmt: skip
+    if report.last is not None and report.last.result is Result.ABORTED:
+        conds.set("Degraded", True, "ReconfigurationAborted", report.last.message)
+    elif report.spares:
+        conds.set("Degraded", True, "HotSpares", message)
+    else:
+        conds.set("Degraded", False, "AsPlanned", message)
+    out.update(phase=phase, conditions=conds.items, reconfiguration=record.to_dict())
+    return out
+
+
+def invalid_spec(body: dict[str, Any], error: str, now: float) -> dict[str, Any]:
+    """The status patch of a job whose spec cannot be run: Pending, saying why."""
+    generation = int(body["metadata"].get("generation", 0))
+    conds = Conditions((body.get("status") or {}).get("conditions") or [], generation, now)
+    conds.set("Ready", False, "InvalidSpec", error)
+    conds.set("Degraded", True, "InvalidSpec", error)
+    return {"phase": "Pending", "conditions": conds.items, "observedGeneration": generation}

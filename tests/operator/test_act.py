@@ -1,0 +1,187 @@
+"""The executor, against a fake API server and fake agents that log every call in order: what is
+done before the status is written, that it is written once, and that no Prepare is sent before
+the reconfiguration it belongs to is recorded. The controller's pass on the same fakes."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import grpc
+import pytest
+from liveshard_operator import controller as controller_module
+from liveshard_operator.act import Executor
+from liveshard_operator.agents import AgentClient, AgentError
+from liveshard_operator.controller import JobController
+from liveshard_operator.decide import decide
+from liveshard_operator.observation import Observation
+from liveshard_operator.world import Record
+
+from tests.operator.test_decide import CASES, CHECKPOINTED, TRAINING3, W3
+from tests.operator.values import BODY, NOW, job, pod, seen, standby
+
+Calls = list[tuple[Any, ...]]
+
+
+class FakeKube:
+    """The API server's side of what the controller does, logged."""
+
+    def __init__(self, calls: Calls, job: dict[str, Any] | None = None) -> None:
+        self.calls, self.job = calls, job
+
+    def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self.job
+
+    def patch_job_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        self.calls.append(("status", status))
+
+    def get(self, namespace: str, resource: str, name: str) -> dict[str, Any] | None:
+        return {"data": {"token": base64.b64encode(b"secret").decode()}}
+
+    def create(self, namespace: str, resource: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.calls.append(("create", resource))
+        return body
+
+    def delete(self, namespace: str, resource: str, name: str) -> None:
+        self.calls.append(("delete", name))
+
+    def patch(self, namespace: str, resource: str, name: str, body: dict[str, Any]) -> None:
+        self.calls.append(("label", name))
+
+
+class FakeAgent:
+    """One agent: logs each call, refuses those named in `refuse`."""
+
+    def __init__(self, member: str, calls: Calls, refuse: tuple[str, ...] = ()) -> None:
+        self.member, self.calls, self.refuse = member, calls, refuse
+
+    def _call(self, method: str, *args: Any) -> None:
+        self.calls.append((method, self.member, *args))
+        if method in self.refuse:
+            raise AgentError(self.member, grpc.StatusCode.UNAVAILABLE, f"{method} refused")
+
+    def host_store(self, epoch: int) -> tuple[str, int]:
+        self._call("host_store", epoch)
+        return ("10.0.0.0", 7000 + epoch)
+
+    def prepare(self, **request: Any) -> None:
+        self._call("prepare", request["epoch"], request["store"])
+
+    def abort(self, epoch: int) -> None:
+        self._call("abort", epoch)
+
+    def checkpoint(self, number: int, path: str, at_step: int) -> None:
+        self._call("checkpoint", number)
+
+    def release(self) -> None:
+        self._call("release")
+
+    def close(self) -> None:
+        pass
+
+
+def executor(calls: Calls, seen_: Observation, **refuse: tuple[str, ...]) -> Executor:
+    clients: dict[str, Any] = {m: FakeAgent(m, calls, refuse.get(m, ())) for m in seen_.pods}
+    events = lambda job, kind, reason, message: calls.append(("event", reason))  # noqa: E731
+    return Executor(FakeKube(calls), "ns", "tiny", events, clients)  # type: ignore[arg-type]
+
+
+def kinds(calls: Calls) -> list[str]:
+    return [" ".join(str(part) for part in call[:2]) if call[0] != "status" else "status"
+            for call in calls]  # fmt: skip
+
+
+def test_the_reconfiguration_is_recorded_before_any_prepare() -> None:
+    pods = seen(*(pod(f"p{i}", standby()) for i in range(4)))
+    calls: Calls = []
+    executor(calls, pods).run(decide(pods, Record(), job(4), NOW))
+    assert kinds(calls) == [
+        "host_store p0", "status", "event Reconfiguring",
+        "prepare p0", "prepare p1", "prepare p2", "prepare p3",
+    ]  # fmt: skip
+    (status,) = [call[1] for call in calls if call[0] == "status"]
+    assert status["reconfiguration"]["inFlight"]["store"] == {"host": "10.0.0.0", "port": 7000}
+    assert all(call[3] == ("10.0.0.0", 7000) for call in calls if call[0] == "prepare")
+
+
+def test_a_store_no_member_can_host_begins_nothing() -> None:
+    pods = seen(*(pod(f"p{i}", standby()) for i in range(4)))
+    calls: Calls = []
+    executor(calls, pods, p0=("host_store",)).run(decide(pods, Record(), job(4), NOW))
+    assert kinds(calls) == ["host_store p0", "status"]
+    status = calls[1][1]
+    assert status["reconfiguration"]["inFlight"] is None and status["phase"] == "Pending"
+
+
+def test_aborts_go_out_before_the_abort_is_recorded() -> None:
+    case = CASES["in flight: a member failed to prepare"]
+    calls: Calls = []
+    executor(calls, case.seen, p1=("abort",)).run(decide(case.seen, case.record, case.job, NOW))
+    # A refused abort is logged; the others still go out, then the one write, then the event.
+    assert kinds(calls) == [
+        "abort p0", "abort p1", "abort p2", "status", "event ReconfigurationAborted",
+    ]  # fmt: skip
+    assert calls[3][1]["reconfiguration"]["attempts"] == 2
+
+
+def test_a_finished_job_lets_its_pods_go_before_it_is_marked_succeeded() -> None:
+    case = CASES["the job trained its last step: release and delete every pod"]
+    calls: Calls = []
+    executor(calls, case.seen).run(decide(case.seen, case.record, case.job, NOW))
+    assert kinds(calls) == [
+        "release p0", "delete p0", "release p1", "delete p1", "release p2", "delete p2", "status",
+    ]  # fmt: skip
+    assert calls[-1][1]["phase"] == "Succeeded"
+
+
+def test_a_silent_member_is_recorded_before_its_pod_is_deleted() -> None:
+    case = CASES["silent for the op deadline: its pod is deleted and it counts as lost"]
+    calls: Calls = []
+    executor(calls, case.seen).run(decide(case.seen, case.record, case.job, NOW))
+    order = kinds(calls)
+    assert order.index("status") < order.index("delete p2")
+    assert order.count("status") == 1
+
+
+@pytest.mark.parametrize(("refuse", "asked"), [((), 3), (("checkpoint",), 0)])
+def test_a_checkpoint_is_recorded_once_every_member_took_it(
+    refuse: tuple[str, ...], asked: int
+) -> None:
+    pods = seen(*TRAINING3)
+    calls: Calls = []
+    executor(calls, pods, p1=refuse).run(decide(pods, Record(world=W3), CHECKPOINTED, NOW))
+    # A refusal stops the round: the next pass asks every member again.
+    expected = ["checkpoint p0", "checkpoint p1"] + ([] if refuse else ["checkpoint p2"])
+    assert kinds(calls) == [*expected, "status"]
+    assert calls[-1][1]["reconfiguration"]["checkpointAsked"] == asked
+
+
+def test_the_controller_reports_an_invalid_spec_and_leaves_a_terminal_job_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: Calls = []
+    bad = {**BODY, "spec": {**BODY["spec"], "parallelism": {"tp": 3}}}
+    controller = JobController(FakeKube(calls, bad), "ns", "tiny", lambda *_: None)  # type: ignore[arg-type]
+    assert controller.reconcile()
+    ((kind, status),) = calls
+    assert kind == "status" and status["phase"] == "Pending"
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert ready["reason"] == "InvalidSpec" and "tp=3 must divide heads=4" in ready["message"]
+
+    calls.clear()
+    done = {**BODY, "status": {"conditions": [{"type": "Succeeded", "status": "True"}]}}
+    monkeypatch.setattr(controller_module, "observe", lambda *_: pytest.fail("observed"))
+    assert JobController(FakeKube(calls, done), "ns", "tiny", lambda *_: None).reconcile()  # type: ignore[arg-type]
+    assert calls == []
+    assert not JobController(FakeKube(calls, None), "ns", "tiny", lambda *_: None).reconcile()  # type: ignore[arg-type]
+
+
+def test_the_controller_observes_decides_and_acts(monkeypatch: pytest.MonkeyPatch) -> None:
+    pods = seen(*(pod(f"p{i}", standby()) for i in range(4)))
+    calls: Calls = []
+    monkeypatch.setattr(controller_module, "observe", lambda *_: pods)
+    controller = JobController(FakeKube(calls, BODY), "ns", "tiny", lambda *_: None)  # type: ignore[arg-type]
+    clients: dict[str, AgentClient] = controller.clients
+    clients.update({m: FakeAgent(m, calls) for m in pods.pods})  # type: ignore[misc]
+    assert controller.reconcile()
+    assert kinds(calls)[:2] == ["host_store p0", "status"]

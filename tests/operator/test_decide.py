@@ -1,0 +1,451 @@
+"""The reconcile pass's decision, as a table: what the job's pods and agents say, what the record
+holds, and the actions, ask, record and status the pass decides. No cluster, no agent: the
+agents' statuses are the proto messages they would send."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import pytest
+from liveshard_operator import render
+from liveshard_operator.actions import (
+    AbortOn,
+    Action,
+    Begin,
+    Checkpoint,
+    CreatePod,
+    DeletePod,
+    Event,
+    EventType,
+    LabelPod,
+    Prepare,
+    ReleaseMember,
+)
+from liveshard_operator.decide import decide
+from liveshard_operator.decision import Decision, checkpointed, hosted, not_hosted
+from liveshard_operator.inflight import backoff
+from liveshard_operator.observation import Job, Observation
+from liveshard_operator.world import InFlight, Record
+
+from liveshard.v1 import agent_pb2 as pb
+from tests.operator.values import (
+    NOW,
+    broken,
+    checkpoint,
+    done,
+    job,
+    pending,
+    pod,
+    seen,
+    standby,
+    starting,
+    switch,
+    training,
+    world,
+)
+
+COMMITTED, ABORTED = pb.SwitchSummary.COMMITTED, pb.SwitchSummary.ABORTED
+M, S = render.MEMBER, render.STANDBY
+
+
+def brief(action: Action) -> str:
+    """An action in a word or three, for the tables."""
+    match action:
+        case CreatePod():
+            return "create"
+        case DeletePod(pod=name):
+            return f"delete {name}"
+        case ReleaseMember(member=name):
+            return f"release {name}"
+        case LabelPod(pod=name, role=role):
+            return f"label {name} {role}"
+        case Prepare(member=name, epoch=epoch):
+            return f"prepare {name} {epoch}"
+        case AbortOn(member=name, epoch=epoch):
+            return f"abort {name} {epoch}"
+        case Event(type=kind, reason=reason):
+            return f"{kind.value} {reason}"
+    raise AssertionError(action)
+
+
+def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next(c for c in status["conditions"] if c["type"] == kind)
+
+
+# ---- the jobs, worlds and reconfigurations of the table ----
+
+J2, J3, J4, J5 = job(2), job(3), job(4), job(5)
+CHECKPOINTED = job(3, checkpoint={"path": "/ck/", "everySteps": 5})
+W2 = world(J3, ["p0", "p1"], 1)  # a world of 2 in epoch 1
+W3 = world(J3, ["p0", "p1", "p2"], 1)
+W4 = world(J4, ["p0", "p1", "p2", "p3"], 1)
+TRAINING3 = [pod(m, training(1), role=M) for m in ("p0", "p1", "p2")]
+# In flight: 2 -> 3 members (p2 joins), epoch 2.
+GROW = InFlight(epoch=2, reason="scale 2 -> 3", new=world(J3, ["p0", "p1", "p2"], 2),
+                store=("10.0.0.0", 7000), started=NOW - 10, old=W2)  # fmt: skip
+# In flight: 3 -> 2 members (p2 leaves), epoch 2.
+SHRINK = InFlight(epoch=2, reason="scale 3 -> 2", new=world(J2, ["p0", "p1"], 2),
+                  store=("10.0.0.0", 7000), started=NOW - 10, old=W3)  # fmt: skip
+# In flight: a recovery from the loss of p2, epoch 2.
+RECOVERY = replace(SHRINK, reason="lost p2", lost=("p2",))
+NO_COPY = pb.SwitchSummary.NO_SURVIVING_COPY
+# p0's and p1's world broke; p2 answers nothing.
+P2_SILENT = seen(
+    pod("p0", broken(1), role=M), pod("p1", broken(1), role=M), pod("p2", None, role=M)
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    job: Job
+    seen: Observation
+    record: Record
+    phase: str
+    before: list[str] = field(default_factory=list)
+    after: list[str] = field(default_factory=list)
+    ask: str | None = None  # "begin <epoch> on <host>: <members> <reason>" or "checkpoint ..."
+    message: str = ""  # a fragment of the Ready condition's message
+    changed: dict[str, Any] = field(default_factory=dict)  # the record's fields that change
+
+
+def asked(decision: Decision) -> str | None:
+    match decision.ask:
+        case Begin(host=host, plan=plan):
+            lost = f" lost={','.join(plan.lost)}" if plan.lost else ""
+            old = "" if plan.old is None else f" from epoch {plan.old.epoch}"
+            members = ",".join(plan.new.members)
+            return f"begin {plan.epoch} on {host}: {members}{old}{lost} {plan.reason}"
+        case Checkpoint(members=members, number=number, path=path, at_step=at_step):
+            return f"checkpoint {number} at {at_step} in {path} on {','.join(members)}"
+    return None
+
+
+CASES: dict[str, Case] = {
+    "no world, too few ready pods: create the rest and wait": Case(
+        J4, seen(pod("p0", standby()), pod("p1", starting())), Record(), "Pending",
+        after=["create", "create"], message="waiting for 4 ready pods (1 ready)",
+    ),
+    "enough ready pods: the first world, hosted on its first member": Case(
+        J4, seen(*(pod(f"p{i}", standby()) for i in range(4))), Record(), "Pending",
+        ask="begin 0 on p0: p0,p1,p2,p3 start with",
+    ),
+    "the first world from the spec's checkpoint": Case(
+        job(2, checkpoint={"restoreFrom": "/ck/step-9"}),
+        seen(pod("p0", standby()), pod("p1", standby())), Record(), "Pending",
+        ask="begin 0 on p0: p0,p1 start with",
+    ),
+    "no world, backing off after an abort": Case(
+        J2, seen(pod("p0", standby()), pod("p1", standby())),
+        Record(last_epoch=0, attempts=1, retry_after=NOW + 3), "Pending",
+    ),
+    "a lost member: recover without it, replace its pod": Case(
+        J3, seen(*TRAINING3[:2], pod("p2", None, gone=True)), Record(world=W3), "Running",
+        after=["create"], ask="begin 2 on p0: p0,p1 from epoch 1 lost=p2 lost p2",
+    ),
+    "a member's pod deleted: recover at once, even backing off": Case(
+        J3, seen(*TRAINING3[:2]), Record(world=W3, attempts=2, retry_after=NOW + 30), "Running",
+        after=["create"], ask="begin 2 on p0: p0,p1 from epoch 1 lost=p2 lost p2",
+    ),
+    "a leaving member: move its state out": Case(
+        J3, seen(*TRAINING3[:2], pod("p2", training(1), role=M, leaving=True)), Record(world=W3),
+        "Running", after=["create"], ask="begin 2 on p0: p0,p1 from epoch 1 evicting p2",
+    ),
+    "scale up: a standby pod joins": Case(
+        J3, seen(*TRAINING3[:2], pod("p2", standby(), role=S)), Record(world=W2), "Running",
+        ask="begin 2 on p0: p0,p2,p1 from epoch 1 scale 2 -> 3",  # assigned to move least
+    ),
+    "scale up: wait for the new pod to pre-warm": Case(
+        J3, seen(*TRAINING3[:2], pod("p2", starting())), Record(world=W2), "Running",
+        after=["label p2 standby"], message="pre-warming 1 pod(s)",
+    ),
+    "scale up: backing off after an abort": Case(
+        J3, seen(*TRAINING3[:2], pod("p2", standby(), role=S)),
+        Record(world=W2, last_epoch=1, attempts=1, retry_after=NOW + 3), "Running",
+    ),
+    "scale down": Case(
+        J2, seen(*(pod(f"p{i}", training(1), role=M) for i in range(4))), Record(world=W4),
+        "Running", ask="begin 2 on p0: p0,p2 from epoch 1 scale 4 -> 2",  # assigned to move least
+    ),
+    "nothing to do: a pod no layout uses stands by": Case(
+        J5, seen(*(pod(f"p{i}", training(1), role=M) for i in range(4)), pod("p4", standby())),
+        Record(world=W4), "Running", after=["label p4 standby"],
+        message="1 pod(s) stand by as hot spares: no layout of tiny uses 5 members",
+    ),
+    "nothing to do": Case(
+        J3, seen(*TRAINING3), Record(world=W3), "Running", message="3 members training",
+    ),
+    "a checkpoint is due (step 10, every 5 steps)": Case(
+        CHECKPOINTED, seen(*TRAINING3), Record(world=W3), "Running",
+        ask="checkpoint 3 at 15 in /ck/step-15 on p0,p1,p2",
+    ),
+    "the checkpoint due was asked for already": Case(
+        CHECKPOINTED, seen(*TRAINING3), Record(world=W3, checkpoint_asked=3), "Running",
+    ),
+    "the job trained its last step: release and delete every pod": Case(
+        J3, seen(pod("p0", done(1), role=M), *TRAINING3[1:]), Record(world=W3), "Succeeded",
+        before=["release p0", "delete p0", "release p1", "delete p1", "release p2", "delete p2"],
+        message="3 members training",
+    ),
+    # ---- silent members ----
+    "a member answers nothing while another's world broke: the clock starts": Case(
+        J3, P2_SILENT, Record(world=W3), "Running", changed={"silent": {"p2": NOW}},
+    ),
+    "silent for the op deadline: its pod is deleted and it counts as lost": Case(
+        J3, P2_SILENT, Record(world=W3, silent={"p2": NOW - 10}), "Running", after=["delete p2"],
+        ask="begin 2 on p0: p0,p1 from epoch 1 lost=p2 lost p2",
+    ),
+    "a member that does not answer while nothing broke is not silent": Case(
+        J3, seen(pod("p0", training(1), role=M), pod("p1", training(1), role=M),
+                 pod("p2", None, role=M)),
+        Record(world=W3, silent={"p2": NOW - 60}), "Running", changed={"silent": {}},
+    ),
+    # ---- a reconfiguration in flight ----
+    "in flight: every new member trains in its epoch, commit": Case(
+        J3, seen(pod("p0", training(2, last_switch=switch(2, COMMITTED, pause_seconds=0.5,
+                                                           network_bytes=1000)), role=M),
+                 pod("p1", training(2), role=M), pod("p2", training(2), role=S)),
+        Record(world=W2, in_flight=GROW, last_epoch=2), "Running",
+        after=["Normal Reconfigured", "label p2 member"],
+        changed={"world": GROW.new, "in_flight": None},
+    ),
+    "in flight: commit a scale down, release and delete who left": Case(
+        J2, seen(pod("p0", training(2), role=M), pod("p1", training(2), role=M),
+                 pod("p2", training(1), role=M)),
+        Record(world=W3, in_flight=SHRINK, last_epoch=2), "Running",
+        after=["Normal Reconfigured", "label p2 standby", "release p2", "delete p2"],
+        changed={"world": SHRINK.new, "in_flight": None},
+    ),
+    "in flight: wait, preparing who has not taken it": Case(
+        J3, seen(pod("p0", training(1, pending=pending(2)), role=M),
+                 pod("p1", training(1), role=M), pod("p2", standby())),
+        Record(world=W2, in_flight=GROW, last_epoch=2), "Reconfiguring",
+        after=["prepare p1 2", "prepare p2 2"],
+        message="epoch 2: 0/3 members switched",
+    ),
+    "in flight: an agent aborted, abort everywhere and back off": Case(
+        J3, seen(pod("p0", training(1, last_switch=switch(2, ABORTED, reason="vote no")), role=M),
+                 pod("p1", training(1, pending=pending(2)), role=M),
+                 pod("p2", standby(), role=S)),
+        Record(world=W2, in_flight=GROW, last_epoch=2), "Running",
+        before=["abort p1 2"], after=["Warning ReconfigurationAborted"],
+        changed={"in_flight": None, "attempts": 1, "retry_after": NOW + backoff(1)},
+    ),
+    "in flight: a member failed to prepare": Case(
+        J3, seen(pod("p0", training(1, pending=pending(2)), role=M),
+                 pod("p1", training(1, pending=pending(2)), role=M),
+                 pod("p2", standby(pending=pending(2, pb.Pending.FAILED, "no memory")))),
+        Record(world=W2, in_flight=GROW, last_epoch=2, attempts=1), "Running",
+        before=["abort p0 2", "abort p1 2", "abort p2 2"], after=["Warning ReconfigurationAborted"],
+        changed={"in_flight": None, "attempts": 2, "retry_after": NOW + backoff(2)},
+    ),
+    "in flight: a member vanished": Case(
+        J3, seen(pod("p0", training(1, pending=pending(2)), role=M),
+                 pod("p1", training(1, pending=pending(2)), role=M)),
+        Record(world=W2, in_flight=GROW, last_epoch=2), "Running",
+        before=["abort p0 2", "abort p1 2"], after=["Warning ReconfigurationAborted"],
+        changed={"in_flight": None, "attempts": 1, "retry_after": NOW + backoff(1)},
+    ),
+    "in flight: overdue (every deadline and a minute passed)": Case(
+        J3, seen(pod("p0", training(1, pending=pending(2)), role=M),
+                 pod("p1", training(1, pending=pending(2)), role=M),
+                 pod("p2", standby(pending=pending(2)), role=S)),
+        Record(world=W2, in_flight=replace(GROW, started=NOW - 450 - 61), last_epoch=2),
+        "Running", before=["abort p0 2", "abort p1 2", "abort p2 2"],
+        after=["Warning ReconfigurationAborted"],
+        changed={"in_flight": None, "attempts": 1, "retry_after": NOW + backoff(1)},
+    ),
+    "in flight: some members committed, some aborted: Failed": Case(
+        J3, seen(pod("p0", training(2), role=M),
+                 pod("p1", training(1, last_switch=switch(2, ABORTED)), role=M),
+                 pod("p2", standby(pending=pending(2)), role=S)),
+        Record(world=W2, in_flight=GROW, last_epoch=2), "Failed",
+        after=["Warning SplitReconfiguration"],
+    ),
+    "in flight: a recovery that cannot succeed owes a restore": Case(
+        J2, seen(pod("p0", broken(1, last_switch=switch(2, ABORTED, NO_COPY, "no surviving copy"))),
+                 pod("p1", broken(1, pending=pending(2)))),
+        Record(world=W3, in_flight=RECOVERY, last_epoch=2), "Running",
+        before=["abort p1 2"], after=["Warning ReconfigurationAborted"],
+        changed={"in_flight": None, "attempts": 1, "retry_after": NOW + backoff(1),
+                 "restore": "the recovery from the loss of p2 aborted by p0: no surviving copy"},
+    ),
+    "in flight: a recovery that may succeed on retry owes no restore": Case(
+        J2, seen(pod("p0", broken(1, last_switch=switch(2, ABORTED, pb.SwitchSummary.PEER_FAILED))),
+                 pod("p1", broken(1))),
+        Record(world=W3, in_flight=RECOVERY, last_epoch=2), "Running",
+        after=["Warning ReconfigurationAborted"],
+        changed={"in_flight": None, "attempts": 1, "retry_after": NOW + backoff(1)},
+    ),
+    # ---- a restore owed ----
+    "a restore owed: a new first world from the last checkpoint": Case(
+        J3, seen(pod("p0", broken(1, last_checkpoint=checkpoint(2, 6, "/ck/step-6")), role=M),
+                 pod("p1", broken(1, last_checkpoint=checkpoint(1, 3, "/ck/step-3")), role=M),
+                 pod("p3", standby())),
+        Record(world=W3, last_epoch=2, restore="the recovery aborted"), "Running",
+        ask="begin 3 on p0: p0,p1,p3 restore from /ck/step-6 (step 6): the recovery aborted",
+    ),
+    "a restore owed without a checkpoint: Failed": Case(
+        J3, seen(pod("p0", broken(1), role=M), pod("p1", broken(1), role=M)),
+        Record(world=W3, last_epoch=2, restore="the recovery aborted"), "Failed",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_decide(case: Case) -> None:
+    decision = decide(case.seen, case.record, case.job, NOW)
+    assert [brief(a) for a in decision.before] == case.before
+    assert [brief(a) for a in decision.after] == case.after
+    ask = asked(decision)
+    assert (ask is None) == (case.ask is None), ask
+    assert ask is None or case.ask is None or ask.startswith(case.ask), ask
+    assert decision.record == replace(case.record, **case.changed)
+    status = decision.status
+    assert status["phase"] == case.phase
+    assert case.message in condition(status, "Ready")["message"]
+    assert status["reconfiguration"] == decision.record.to_dict()
+
+
+def test_a_pass_reads_no_clock_and_decides_the_same_twice() -> None:
+    case = CASES["a lost member: recover without it, replace its pod"]
+    first = decide(case.seen, case.record, case.job, NOW)
+    assert decide(case.seen, case.record, case.job, NOW) == first
+
+
+def test_the_first_world_is_recorded_in_flight_once_its_store_is_hosted() -> None:
+    pods = seen(*(pod(f"p{i}", standby()) for i in range(4)))
+    decision = decide(pods, Record(), J4, NOW)
+    assert isinstance(decision.ask, Begin) and decision.ask.plan.store == ("", 0)
+    begun = hosted(decision, ("10.0.0.0", 7000))
+    assert begun.ask is None
+    plan = begun.record.in_flight
+    assert plan is not None and plan.store == ("10.0.0.0", 7000) and plan.old is None
+    assert (plan.epoch, plan.started, begun.record.last_epoch) == (0, NOW, 0)
+    assert plan.new.members == ("p0", "p1", "p2", "p3") and plan.new.describe().startswith("dp=4")
+    # The Prepare calls come after the write that records the reconfiguration (`after`).
+    assert [brief(a) for a in begun.after] == [
+        "Normal Reconfiguring", "prepare p0 0", "prepare p1 0", "prepare p2 0", "prepare p3 0",
+    ]  # fmt: skip
+    prepare = begun.after[1]
+    assert isinstance(prepare, Prepare)
+    assert prepare.store == ("10.0.0.0", 7000) and prepare.old is None
+    assert prepare.to == plan.new.layout(J4.model) and prepare.budget == 64 << 20
+    status = begun.status
+    assert status["phase"] == "Reconfiguring"
+    assert status["reconfiguration"]["inFlight"]["store"] == {"host": "10.0.0.0", "port": 7000}
+    assert condition(status, "Reconfiguring")["status"] == "True"
+
+
+def test_no_store_no_reconfiguration() -> None:
+    pods = seen(*(pod(f"p{i}", standby()) for i in range(4)))
+    decision = not_hosted(decide(pods, Record(), J4, NOW), "agent p0: UNAVAILABLE: gone")
+    assert decision.ask is None and decision.after == () and decision.record == Record()
+    status = decision.status
+    assert status["phase"] == "Pending" and status["reconfiguration"]["inFlight"] is None
+    ready = condition(status, "Ready")["message"]
+    assert ready == "epoch 0: hosting the store on p0: agent p0: UNAVAILABLE: gone"
+
+
+def test_the_first_world_restores_the_checkpoint_the_spec_names() -> None:
+    case = CASES["the first world from the spec's checkpoint"]
+    decision = decide(case.seen, case.record, case.job, NOW)
+    assert isinstance(decision.ask, Begin) and decision.ask.plan.restore == "/ck/step-9"
+    assert decision.ask.plan.reason.endswith(", from /ck/step-9")
+    prepares = hosted(decision, ("10.0.0.0", 7000)).after[1:]
+    assert [p.restore_from for p in prepares if isinstance(p, Prepare)] == ["/ck/step-9"] * 2
+
+
+def test_a_restore_is_owed_until_it_begins() -> None:
+    case = CASES["a restore owed: a new first world from the last checkpoint"]
+    decision = decide(case.seen, case.record, case.job, NOW)
+    assert isinstance(decision.ask, Begin) and decision.ask.plan.restore == "/ck/step-6"
+    assert hosted(decision, ("10.0.0.0", 7000)).record.restore == ""
+    assert not_hosted(decision, "refused").record.restore == "the recovery aborted"
+
+
+def test_a_recovery_is_hosted_by_a_member_that_stays() -> None:
+    case = CASES["a lost member: recover without it, replace its pod"]
+    decision = hosted(decide(case.seen, case.record, case.job, NOW), ("10.0.0.0", 7000))
+    plan = decision.record.in_flight
+    assert plan is not None and plan.lost == ("p2",) and plan.old == W3
+    prepares = [a for a in decision.after if isinstance(a, Prepare)]
+    assert [p.member for p in prepares] == ["p0", "p1"]
+    assert all(p.lost == ("p2",) and p.old == W3.layout(J3.model) for p in prepares)
+
+
+@pytest.mark.parametrize("taken", [True, False])
+def test_a_checkpoint_is_recorded_once_every_member_took_it(taken: bool) -> None:
+    decision = decide(seen(*TRAINING3), Record(world=W3), CHECKPOINTED, NOW)
+    assert decision.ask == Checkpoint(("p0", "p1", "p2"), 3, "/ck/step-15", 15)
+    after = checkpointed(decision, taken)
+    assert after.ask is None
+    assert after.record.checkpoint_asked == (3 if taken else 0)
+
+
+def test_a_commit_summarises_the_switch() -> None:
+    case = CASES["in flight: every new member trains in its epoch, commit"]
+    status = decide(case.seen, case.record, case.job, NOW).status
+    assert status["lastReconfiguration"] == {
+        "epoch": 2, "reason": "scale 2 -> 3", "from": W2.describe(), "to": GROW.new.describe(),
+        "pauseSeconds": 0.5, "bytesMoved": 1000, "result": "committed",
+        "message": "epoch 2: committed",
+    }  # fmt: skip
+    assert (status["epoch"], status["members"], status["replicas"]) == (2, ["p0", "p1", "p2"], 3)
+    assert status["readyReplicas"] == 3 and status["step"] == 10
+    assert condition(status, "Degraded")["reason"] == "AsPlanned"
+
+
+def test_an_abort_degrades_the_job_and_says_why() -> None:
+    case = CASES["in flight: an agent aborted, abort everywhere and back off"]
+    decision = decide(case.seen, case.record, case.job, NOW)
+    status = decision.status
+    assert status["lastReconfiguration"]["result"] == "aborted"
+    assert status["lastReconfiguration"]["message"] == "aborted by p0: vote no"
+    degraded = condition(status, "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "ReconfigurationAborted")
+    (event,) = decision.after
+    assert event == Event(EventType.WARNING, "ReconfigurationAborted",
+                          "epoch 2 aborted (scale 2 -> 3): aborted by p0: vote no; the job keeps "
+                          "its layout, retry in 5 s")  # fmt: skip
+
+
+def test_failures_name_their_reason() -> None:
+    split = CASES["in flight: some members committed, some aborted: Failed"]
+    status = decide(split.seen, split.record, split.job, NOW).status
+    assert condition(status, "Failed")["reason"] == "SplitReconfiguration"
+    owed = CASES["a restore owed without a checkpoint: Failed"]
+    lost = decide(owed.seen, owed.record, owed.job, NOW).status
+    failed = condition(lost, "Failed")
+    assert (
+        failed["reason"] == "NoCopyNoCheckpoint" and "no checkpoint was saved" in failed["message"]
+    )
+
+
+def test_hot_spares_degrade_the_job() -> None:
+    case = CASES["nothing to do: a pod no layout uses stands by"]
+    status = decide(case.seen, case.record, case.job, NOW).status
+    assert status["spares"] == ["p4"]
+    assert condition(status, "Degraded")["reason"] == "HotSpares"
+
+
+def test_a_silent_member_is_deleted_saying_why() -> None:
+    case = CASES["silent for the op deadline: its pod is deleted and it counts as lost"]
+    (delete,) = decide(case.seen, case.record, case.job, NOW).after
+    assert delete == DeletePod("p2", "answers nothing while its world is broken: "
+                                     "agent p2: UNAVAILABLE")  # fmt: skip
+
+
+def test_new_pods_are_rendered_from_the_template() -> None:
+    decision = decide(seen(), Record(), J2, NOW)
+    assert decision.after == (CreatePod(render.worker_pod(J2.body, J2.spec)),) * 2
+
+
+def test_the_record_round_trips_and_clears_what_it_no_longer_holds() -> None:
+    record = Record(world=W3, in_flight=RECOVERY, last_epoch=2, attempts=1, retry_after=NOW,
+                    restore="why", silent={"p2": NOW}, checkpoint_asked=4)  # fmt: skip
+    assert Record.from_dict(record.to_dict()) == record
+    assert Record.from_dict({}) == Record()
+    cleared = Record(world=W3).to_dict()
+    # A merge patch: None removes what the stored record had.
+    assert (cleared["inFlight"], cleared["restore"], cleared["silent"]) == (None, None, None)

@@ -1,0 +1,55 @@
+"""What a pass makes of a pod as the API server returns it: leaving, gone, ready, its role."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from liveshard_operator.observation import node_leaving, pod_of
+
+from tests.operator.values import standby
+
+
+def raw(**fields: Any) -> dict[str, Any]:
+    pod: dict[str, Any] = {
+        "metadata": {"name": "p0", "creationTimestamp": "2024-01-01T00:00:00Z",
+                     "labels": {"liveshard.io/role": "member"}},
+        "spec": {"nodeName": "n1"},
+        "status": {"phase": "Running", "podIP": "10.0.0.1"},
+    }  # fmt: skip
+    for path, value in fields.items():
+        section, key = path.split("__")
+        pod[section][key] = value
+    return pod
+
+
+@pytest.mark.parametrize(
+    ("fields", "leaving_nodes", "leaving", "gone"),
+    [
+        ({}, set(), False, False),
+        ({"metadata__deletionTimestamp": "2024-01-01T00:01:00Z"}, set(), True, False),
+        ({"status__conditions": [{"type": "DisruptionTarget", "status": "True"}]}, set(), True,
+         False),
+        ({}, {"n1"}, True, False),  # on a cordoned or NoExecute-tainted node
+        ({"status__phase": "Failed"}, set(), False, True),
+        ({"status__phase": "Succeeded"}, set(), False, True),
+    ],
+)  # fmt: skip
+def test_leaving_and_gone(
+    fields: dict[str, Any], leaving_nodes: set[str], leaving: bool, gone: bool
+) -> None:
+    pod = pod_of(raw(**fields), leaving_nodes, standby())
+    assert (pod.leaving, pod.gone, pod.role, pod.ip) == (leaving, gone, "member", "10.0.0.1")
+    assert pod.standing_by == (not leaving and not gone)
+
+
+def test_nodes_that_send_their_pods_away() -> None:
+    assert node_leaving({"spec": {"unschedulable": True}})
+    assert node_leaving({"spec": {"taints": [{"key": "k", "effect": "NoExecute"}]}})
+    assert not node_leaving({"spec": {"taints": [{"key": "k", "effect": "NoSchedule"}]}})
+    assert not node_leaving({})
+
+
+def test_a_pod_whose_agent_does_not_answer_is_not_ready() -> None:
+    pod = pod_of(raw(), set(), None, "agent p0: UNAVAILABLE")
+    assert not pod.ready and not pod.standing_by and pod.error == "agent p0: UNAVAILABLE"
