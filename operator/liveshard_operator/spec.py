@@ -75,14 +75,16 @@ class JobSpec:
     def parse(cls, spec: dict[str, Any]) -> JobSpec:
         par = spec.get("parallelism") or {}
         model = spec.get("model") or {}
-        if ("preset" in model) == ("spec" in model):
-            raise InvalidInput("spec.model must give exactly one of preset and spec")
+        if sum(k in model for k in ("preset", "spec", "path")) != 1:
+            raise InvalidInput("spec.model must give exactly one of preset, spec and path")
         reconf = spec.get("reconfiguration") or {}
         ckpt = spec.get("checkpoint") or {}
         template = spec.get("template") or {}
-        source = {k: model[k] for k in ("preset", "spec") if k in model}
+        source = {k: model[k] for k in ("preset", "spec", "path", "init") if k in model}
         config = JobConfig(
             model=model_config(source, "spec.model"),
+            model_path=model.get("path"),
+            init=model.get("init"),
             precision=model.get("precision"),
             device=spec.get("device") or ("cuda" if _requests_gpus(template) else "cpu"),
             training=TrainingSettings.from_dict(

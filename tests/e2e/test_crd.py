@@ -155,12 +155,12 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
     (
         "preset and spec",
         {"spec.model.spec": {**dataclasses.asdict(CONFIGS["tiny"]), "param_dtype": "fp32"}},
-        ["spec.model needs exactly one of model.preset and model.spec"],
+        ["spec.model needs exactly one of model.preset, model.spec and model.path"],
     ),
     (
         "neither preset nor spec",
         {"spec.model.preset": _DELETE, "spec.model.precision": "bf16"},
-        ["spec.model needs exactly one of model.preset and model.spec"],
+        ["spec.model needs exactly one of model.preset, model.spec and model.path"],
     ),
     (
         "model spec with an unknown field",

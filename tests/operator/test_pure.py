@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 from liveshard_operator import conditions, policy, render
 from liveshard_operator.spec import JobSpec, parse_quantity
 
 from liveshard_core.errors import InvalidInput
-from liveshard_core.job import Deadlines
+from liveshard_core.job import Deadlines, JobConfig
 
 JOB = {
     "apiVersion": "liveshard.io/v1alpha1",
@@ -29,6 +30,23 @@ JOB = {
 }  # fmt: skip
 
 
+def test_a_hugging_face_directory_reaches_the_agents_by_its_path(tmp_path: Path) -> None:
+    config = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 300, "hidden_size": 64,
+              "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    body = copy.deepcopy(JOB["spec"])
+    body["model"] = {"path": str(tmp_path), "init": "random"}
+    body["training"] |= {"tokenizer": "/t/tokenizer.json", "dataOrder": "sequential"}
+    spec = JobSpec.parse(body)
+    sent = json.loads(spec.agent_config())
+    assert sent["model"] == {"path": str(tmp_path), "init": "random"}
+    assert (sent["training"]["tokenizer"], sent["training"]["data_order"]) == (
+        "/t/tokenizer.json", "sequential")  # fmt: skip
+    assert spec.model_spec().config.qk_norm and spec.model_spec().config.layers == 4
+    assert JobConfig.from_json(spec.agent_config()) == spec.config
+
+
 def test_spec_parses_with_defaults_and_agent_config() -> None:
     spec = JobSpec.parse(JOB["spec"])
     assert (spec.replicas, spec.min_replicas, spec.max_replicas) == (4, 1, 8)
@@ -44,7 +62,7 @@ def test_spec_parses_with_defaults_and_agent_config() -> None:
     ("change", "fragment"),
     [
         ({"model": {"preset": "nope"}}, "unknown model 'nope'"),
-        ({"model": {"preset": "tiny", "spec": {}}}, "exactly one of preset and spec"),
+        ({"model": {"preset": "tiny", "spec": {}}}, "exactly one of preset, spec and path"),
         ({"model": {"spec": {"name": "m", "vocab": 8}}}, "missing required field"),
         ({"reconfiguration": {"memoryBudget": "lots"}}, "memoryBudget='lots'"),
         ({"parallelism": {"tp": 3}}, "spec.parallelism: layout: tp=3 must divide heads=4 of tiny"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -54,11 +55,15 @@ def local_config(
     device: str = "cpu",
     precision: str | None = None,
     budget: int = DEFAULT_BUDGET,
+    init: str | None = None,
 ) -> JobConfig:
-    """A local job's configuration: `model` a preset name or a JSON/YAML model file."""
+    """A local job's configuration: `model` a Hugging Face model directory, a preset name or a
+    JSON/YAML model file."""
+    directory = model if Path(model).is_dir() else None
     return JobConfig(
         model=resolve_model(model).config, precision=precision, device=device,
         training=settings, deadlines=LOCAL_DEADLINES, budget_bytes=budget,
+        model_path=directory, init=init,
     )  # fmt: skip
 
 

@@ -6,7 +6,9 @@ shape as a ShardedTensor whose metadata is the saving layout's partition, each b
 by its lowest-ranked holder. A load describes the loading layout's boxes the same way (a rank
 places a replicated box on itself when it holds it), and DCP's own chunk intersection reshards.
 Next to the tensors, `liveshard.json` holds the training scalars, the settings, the model and the
-layout it was written in. This is also the fallback when no live copy of a byte survives.
+layout it was written in; a model from a Hugging Face directory has its config and tokenizer files
+copied into `hf/`, so that the checkpoint is self-contained (`liveshard-export` reads them).
+This is also the fallback when no live copy of a byte survives.
 
 DCP coordinates ranks through torch.distributed's default process group, which training never
 uses: a checkpoint creates one (gloo, over the current world's members, from the job's store under
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -37,6 +40,7 @@ from liveshard_core.job import TrainingSettings
 from liveshard_core.layout.layout import Layout
 from liveshard_core.layout.region import partition
 from liveshard_core.vps.box import Box
+from liveshard_core.vps.hf import WEIGHTS_INDEX, HfModel
 from liveshard_core.vps.spec import ModelSpec, config_to_dict
 
 from ..engine.backend import sharded_tensor
@@ -44,6 +48,7 @@ from ..engine.state import TORCH_DTYPES, ShardedState, placements
 from .trainer import Scalars
 
 METADATA = "liveshard.json"
+HF_FILES = "hf"  # the model directory's config and tokenizer files
 
 
 def save_state_dict(state: ShardedState) -> dict[str, torch.Tensor]:
@@ -105,9 +110,11 @@ def save(
     store: Store,
     prefix: str,
     timeout: float = 300.0,
+    hf: HfModel | None = None,
 ) -> None:
     """Every member of the world calls this at the same step boundary; `prefix` names this
-    checkpoint in the job's store (each checkpoint of a job needs its own)."""
+    checkpoint in the job's store (each checkpoint of a job needs its own); `hf` is the model's
+    Hugging Face directory, whose config and tokenizer files it records."""
     layout = state.layout
     with _DefaultGroup(store, prefix, state.rank, layout.world_size, timeout):
         state_dict_saver.save(save_state_dict(state), checkpoint_id=str(directory))
@@ -121,7 +128,17 @@ def save(
                 "members": list(layout.members),
             }
             (Path(directory) / METADATA).write_text(json.dumps(meta, indent=1))
+            if hf is not None:
+                _record_files(hf, Path(directory) / HF_FILES)
         dist.barrier()  # nobody returns before the metadata is written
+
+
+def _record_files(hf: HfModel, into: Path) -> None:
+    into.mkdir(exist_ok=True)
+    for path in sorted(hf.directory.iterdir()):
+        wanted = path.suffix in (".json", ".txt", ".model", ".jinja")
+        if path.is_file() and wanted and path.name != WEIGHTS_INDEX:
+            shutil.copyfile(path, into / path.name)
 
 
 def read_metadata(directory: str | os.PathLike[str], spec: ModelSpec) -> dict[str, Any]:

@@ -1,61 +1,79 @@
-"""Byte-level text data whose order is a function of (seed, global sample index).
+"""Training data: windows of a token stream, in an order that is a function of (seed, global sample
+index) only.
 
-Sample `i` of a job is the window of `seq_len + 1` bytes of the corpus starting at a hashed offset
-of (seed, i); step `s` trains on samples `s * global_batch ..` in order, cut into micro-batches of
+The stream is a prepared token directory (`liveshard_agent.data`: text tokenized once with the
+job's tokenizer), or, for a model without a tokenizer, the bytes of a text. Sample `j` is the
+stream's tokens `[j*S, j*S + S]` (S = seq_len); global sample `i` trains on sample
+`order.sample_ids(data_order, seed, n, i)` (sequential, or a permutation of each epoch that the
+seed fixes). Step `s` trains on samples `s * global_batch ..` in order, cut into micro-batches of
 consecutive samples, and data-parallel replica `d` takes the `d`-th contiguous run of them. So the
-data cursor is `step * global_batch`, it survives every switch, and no sample is lost or repeated
-whatever the layout. The corpus is a file the user names (its bytes), or a built-in one that needs
-no download: deterministic English-like sentences, regular enough that the loss visibly falls.
+data cursor is `step * global_batch`: it survives every switch, and no sample is lost or repeated
+whatever the layout.
 """
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from liveshard_core.errors import InvalidInput
+from liveshard_core.job import TrainingSettings
 
-from . import rng
+from ..data import order
+from ..data.builtin import builtin_corpus_file
+from ..data.corpus import builtin_corpus
+from ..data.prepare import resolve_data
 
-_BUILTIN_BYTES = 1 << 20
-
-
-@cache
-def builtin_corpus() -> bytes:
-    """About 1 MiB of sentences over a fixed invented vocabulary (the same on every machine)."""
-    gen = random.Random(20260101)
-    syllables = [a + b for a in "bcdfghklmnprstvz" for b in "aeiou"]
-    words = sorted({"".join(gen.choices(syllables, k=gen.randint(1, 3))) for _ in range(600)})
-    weights = [1 / (rank + 1) for rank in range(len(words))]  # Zipf-like frequencies
-    nouns, verbs = words[: len(words) // 2], words[len(words) // 2 :]
-    out: list[str] = []
-    size = 0
-    while size < _BUILTIN_BYTES:
-        subject = " ".join(gen.choices(nouns, weights[: len(nouns)], k=gen.randint(1, 2)))
-        verb = gen.choices(verbs, weights[: len(verbs)])[0]
-        obj = " ".join(gen.choices(nouns, weights[: len(nouns)], k=gen.randint(1, 3)))
-        sentence = f"the {subject} {verb}s the {obj}. "
-        if gen.random() < 0.1:
-            sentence = sentence.capitalize() + "\n"
-        out.append(sentence)
-        size += len(sentence)
-    return "".join(out).encode()[:_BUILTIN_BYTES]
+_BYTES = 256
 
 
-def load_corpus(path: str | None) -> torch.Tensor:
-    """The corpus as a uint8 tensor: the bytes of `path`, or the built-in corpus."""
+@dataclass(frozen=True)
+class ByteText:
+    """The bytes of a text as its tokens (a byte-level model's stream)."""
+
+    tokens: np.ndarray
+    directory: str  # what errors name
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def load_corpus(path: str | None) -> ByteText:
+    """The bytes of the file `path`, or of the built-in corpus."""
     if path is None:
-        data = builtin_corpus()
-    else:
-        try:
-            data = Path(path).read_bytes()
-        except OSError as err:
-            raise InvalidInput(f"cannot read the data file {path}: {err.strerror}") from None
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return ByteText(np.frombuffer(builtin_corpus(), dtype=np.uint8), "the built-in corpus")
+    try:
+        data = Path(path).read_bytes()
+    except OSError as err:
+        raise InvalidInput(f"cannot read the data file {path}: {err.strerror}") from None
+    return ByteText(np.frombuffer(data, dtype=np.uint8), path)
+
+
+def open_data(settings: TrainingSettings, tokenizer: Path | None, vocab: int) -> order.Tokens:
+    """The job's token stream: `settings.data` (or the built-in corpus) tokenized with
+    `tokenizer`, or its bytes when there is none; every id below the model's `vocab`."""
+    if tokenizer is None:
+        if vocab < _BYTES:
+            raise InvalidInput(
+                f"the model's vocabulary has {vocab} ids: byte-level text needs {_BYTES}; give a "
+                "tokenizer"
+            )
+        return load_corpus(settings.data)
+    stream = resolve_data([settings.data or builtin_corpus_file()], tokenizer)
+    stream.check_vocab(vocab)
+    return stream
+
+
+def tokenizer_of(settings: TrainingSettings, model_dir: Path | None) -> Path | None:
+    """The job's tokenizer: the one named, else the model directory's, else none (bytes)."""
+    if settings.tokenizer is not None:
+        return Path(settings.tokenizer)
+    if model_dir is not None and (model_dir / "tokenizer.json").exists():
+        return model_dir / "tokenizer.json"
+    return None
 
 
 @dataclass(frozen=True)
@@ -69,22 +87,17 @@ class Batch:
 
 
 class Dataset:
-    """Windows of a corpus, addressed by global sample index."""
+    """Windows of a token stream, addressed by global sample index."""
 
-    def __init__(self, corpus: torch.Tensor, seq_len: int, seed: int) -> None:
-        if corpus.numel() < seq_len + 2:
-            raise InvalidInput(
-                f"the data has {corpus.numel()} bytes; samples of seq_len={seq_len} need at "
-                f"least {seq_len + 2}"
-            )
-        self.corpus = corpus
-        self.seq_len = seq_len
-        self.key = rng.key("data", seed)
-        self._offsets = torch.arange(seq_len + 1)
+    def __init__(
+        self, stream: order.Tokens, seq_len: int, seed: int, data_order: str = "shuffled"
+    ) -> None:
+        self.stream, self.seq_len, self.seed, self.order = stream, seq_len, seed, data_order
+        self.samples = order.sample_count(stream, seq_len)
 
     def batch(self, first: int, count: int) -> Batch:
         """Samples `first .. first + count - 1`."""
+        ids = order.sample_ids(self.order, self.seed, self.samples, first, count)
+        windows = torch.from_numpy(order.windows(self.stream, ids, self.seq_len))
         samples = torch.arange(first, first + count, dtype=torch.int64)
-        starts = rng.hashed(self.key, samples) % (self.corpus.numel() - self.seq_len - 1)
-        windows = self.corpus[starts.unsqueeze(1) + self._offsets].to(torch.int64)
         return Batch(windows[:, :-1], windows[:, 1:], samples)

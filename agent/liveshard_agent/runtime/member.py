@@ -40,6 +40,7 @@ from torch.distributed import Store
 from liveshard_core.errors import InvalidInput
 from liveshard_core.job import Cause, Deadlines, Result, TrainingSettings
 from liveshard_core.layout.layout import Layout
+from liveshard_core.vps.hf import HfModel
 from liveshard_core.vps.spec import ModelSpec
 
 from ..engine import keys
@@ -50,8 +51,9 @@ from . import checkpoint, recovery
 from .agreement import NONE, Readiness
 from .announcement import AbortAnnounced, SwitchAnnounced, announce, announced
 from .change import HELD, Change, Pending, max_over_world, state_digest
-from .data import Dataset, load_corpus
+from .data import Dataset, open_data, tokenizer_of
 from .events import Checkpointed, Switched
+from .pretrained import load_pretrained
 from .recovery import Breakage, BreakReport
 from .trainer import Scalars, StepRecord, Trainer, initial_state
 
@@ -91,6 +93,8 @@ class Member:
         hooks: SwitchHooks | None = None,
         job: str = "",
         checksums: bool = False,
+        hf: HfModel | None = None,
+        pretrained: bool = False,
     ) -> None:
         self.name, self.spec, self.settings = name, spec, settings
         self.device, self.job = device, job
@@ -98,7 +102,13 @@ class Member:
         self.deadlines = deadlines or Deadlines()
         self.hooks = hooks or SwitchHooks()
         self.checksums = checksums  # compare whole-state checksum totals around each switch
-        self.dataset = Dataset(load_corpus(settings.data), settings.seq_len, settings.seed)
+        self.hf = hf  # the Hugging Face directory the model comes from; checkpoints record it
+        self.pretrained = pretrained  # a first world starts from its weights (else fresh)
+        tokenizer = tokenizer_of(settings, hf.directory if hf is not None else None)
+        self.dataset = Dataset(
+            open_data(settings, tokenizer, spec.config.vocab), settings.seq_len, settings.seed,
+            settings.data_order,
+        )  # fmt: skip
         self.trainer: Trainer | None = None
         self.epoch = -1
         self.pending: Pending | None = None
@@ -156,9 +166,11 @@ class Member:
     def start(self, layout: Layout, epoch: int = 0, scalars: Scalars | None = None) -> None:
         """Join the job's first world with the initial state."""
         world = self._world(layout, epoch)
-        state = initial_state(
-            self.spec, layout, layout.rank_of(self.name), self.settings.seed, self.device
-        )
+        rank = layout.rank_of(self.name)
+        if self.hf is not None and self.pretrained:
+            state = load_pretrained(self.hf, self.spec, layout, rank, self.device)
+        else:
+            state = initial_state(self.spec, layout, rank, self.settings.seed, self.device)
         self._train(state, world, scalars or Scalars(seed=self.settings.seed))
 
     def restore(self, layout: Layout, directory: str, epoch: int = 0) -> None:
@@ -268,7 +280,7 @@ class Member:
         checkpoint.save(
             trainer.state, trainer.scalars, self.settings, directory, store=self.store,
             prefix=keys.checkpoint_prefix(self.epoch, trainer.scalars.step),
-            timeout=self.deadlines.prepare,
+            timeout=self.deadlines.prepare, hf=self.hf,
         )  # fmt: skip
         return time.perf_counter() - start
 

@@ -1,17 +1,20 @@
 """The decoder-only transformer, one pipeline stage of it on one rank, computing with the
 weights of the engine's sharded state.
 
-RMSNorm, attention with grouped KV heads, rotary positions and (where the spec has it) q/k norms,
-a SwiGLU MLP or a mixture of experts (`moe`), tied or untied embeddings. Tensor parallelism is
-Megatron's: column-parallel q, k, v (each part of a fused qkv split on its own), gate and up;
-row-parallel o and down; a vocabulary-parallel embedding and cross-entropy. Activations between
-layers are replicated across tp. Dropout, when on, masks each residual branch's output with
-counter-based randomness keyed by (seed, step, sample, layer, position, feature), so the mask of a
-sample does not depend on the layout.
+RMSNorm, attention with grouped KV heads, optional q/k/v and output biases, rotary positions in
+Hugging Face's convention (the two halves of each head rotated; llama3 frequency scaling where the
+config has it) and (where the spec has it) q/k norms, a SwiGLU MLP or a mixture of experts (`moe`),
+tied or untied embeddings: the math of the Hugging Face architectures liveshard loads. Tensor
+parallelism is Megatron's: column-parallel q, k, v (each part of a fused qkv split on its own),
+gate and up; row-parallel o and down; a vocabulary-parallel embedding and cross-entropy.
+Activations between layers are replicated across tp. Dropout, when on, masks each residual
+branch's output with counter-based randomness keyed by (seed, step, sample, layer, position,
+feature), so the mask of a sample does not depend on the layout.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -19,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from liveshard_core.job import TrainingSettings
-from liveshard_core.vps.spec import ModelSpec
+from liveshard_core.vps.spec import ModelSpec, TransformerConfig
 
 from ..engine.backend import Group
 from ..engine.world import Axis
@@ -28,12 +31,27 @@ from .data import Batch
 from .moe import moe_forward
 from .weights import Weights
 
-_EPS = 1e-6
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     variance = x.float().square().mean(-1, keepdim=True)
-    return (x.float() * torch.rsqrt(variance + _EPS)).to(x.dtype) * weight
+    return (x.float() * torch.rsqrt(variance + eps)).to(x.dtype) * weight
+
+
+def rotary_frequencies(cfg: TransformerConfig) -> torch.Tensor:
+    """The inverse frequencies of the rotary embedding (float32, as transformers computes
+    them), with llama3's scaling when the config has it."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if cfg.rope_type != "llama3":
+        return inv
+    factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    old = cfg.rope_original_positions
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / low, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old / high) & (wavelen <= old / low)
+    return torch.where(medium, smoothed, scaled)
 
 
 def dropout_keep(
@@ -82,11 +100,12 @@ class StageModel:
 
     @cached_property
     def rope(self) -> tuple[torch.Tensor, torch.Tensor]:
-        d = self.cfg.head_dim
-        inv = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-        angles = torch.outer(torch.arange(self.settings.seq_len, dtype=torch.float64), inv)
+        """cos and sin [seq_len, head_dim], each half of a head's dimensions at one frequency."""
+        inv = rotary_frequencies(self.cfg)
+        angles = torch.outer(torch.arange(self.settings.seq_len, dtype=torch.float32), inv)
+        angles = torch.cat([angles, angles], dim=-1)
         device = self.weights.state.device
-        return angles.cos().float().to(device), angles.sin().float().to(device)
+        return angles.cos().to(device), angles.sin().to(device)
 
     def forward(self, batch: Batch, hidden: torch.Tensor | None, step: int) -> Output:
         if self.first:
@@ -119,19 +138,12 @@ class StageModel:
 
     def _attention(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         prefix = f"layers.{layer}.attn."
-        h = comm.copy_to(rms_norm(x, self._w(prefix + "norm")[0]), self.tp)
-        if self.cfg.fused_qkv:
-            wq, wk, wv = self._w(prefix + "qkv")
-        else:
-            (wq,), (wk,), (wv,) = (self._w(prefix + n) for n in ("q", "k", "v"))
+        h = comm.copy_to(self._norm(x, prefix + "norm"), self.tp)
         d = self.cfg.head_dim
         batch, seq = x.shape[:2]
-        q = (h @ wq.T).view(batch, seq, -1, d)
-        k = (h @ wk.T).view(batch, seq, -1, d)
-        v = (h @ wv.T).view(batch, seq, -1, d)
+        q, k, v = (p.view(batch, seq, -1, d) for p in self._qkv(prefix, h))
         if self.cfg.qk_norm:
-            q = rms_norm(q, self._w(prefix + "q_norm")[0])
-            k = rms_norm(k, self._w(prefix + "k_norm")[0])
+            q, k = self._norm(q, prefix + "q_norm"), self._norm(k, prefix + "k_norm")
         q, k = self._rotate(q), self._rotate(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         groups = q.shape[1] // k.shape[1]
@@ -139,19 +151,37 @@ class StageModel:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         out = out.transpose(1, 2).reshape(batch, seq, -1)
-        return comm.reduce_from(out @ self._w(prefix + "o")[0].T, self.tp)
+        out = comm.reduce_from(out @ self._w(prefix + "o")[0].T, self.tp)
+        return out + self._w(prefix + "o_bias")[0] if self.cfg.o_bias else out
+
+    def _qkv(self, prefix: str, h: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's q, k and v projections of `h`, biased where the model has biases."""
+        if self.cfg.fused_qkv:
+            weights = self._w(prefix + "qkv")
+            biases = self._w(prefix + "qkv_bias") if self.cfg.qkv_bias else None
+        else:
+            weights = [self._w(prefix + n)[0] for n in ("q", "k", "v")]
+            biases = ([self._w(prefix + n)[0] for n in ("q_bias", "k_bias", "v_bias")]
+                      if self.cfg.qkv_bias else None)  # fmt: skip
+        if biases is None:
+            return [h @ w.T for w in weights]
+        return [h @ w.T + b for w, b in zip(weights, biases, strict=True)]
+
+    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return rms_norm(x, self._w(name)[0], self.cfg.norm_eps)
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotary positions on [batch, seq, heads, head_dim]: Hugging Face's rotate-half."""
         cos, sin = self.rope
         seq = x.shape[1]
         cos, sin = cos[:seq, None, :], sin[:seq, None, :]
-        even, odd = x[..., 0::2].float(), x[..., 1::2].float()
-        out = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)
-        return out.flatten(-2).to(x.dtype)
+        first, second = x.float().chunk(2, dim=-1)
+        rotated = torch.cat([-second, first], dim=-1)
+        return (x.float() * cos + rotated * sin).to(x.dtype)
 
     def _mlp(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         prefix = f"layers.{layer}.mlp."
-        h = rms_norm(x, self._w(prefix + "norm")[0])
+        h = self._norm(x, prefix + "norm")
         if self.cfg.experts:
             return moe_forward(self, layer, h)
         return self.swiglu(prefix, comm.copy_to(h, self.tp)), torch.zeros((), device=x.device)
@@ -173,7 +203,7 @@ class StageModel:
         return x * keep.to(device=x.device, dtype=x.dtype) / (1 - p)
 
     def _loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = comm.copy_to(rms_norm(x, self._w("final_norm")[0]), self.tp)
+        x = comm.copy_to(self._norm(x, "final_norm"), self.tp)
         head = self.weights["lm_head" if "lm_head" in self.weights else "embed"]
         (start, _), _ = head.boxes[0]
         logits = x.reshape(-1, x.shape[-1]) @ head.tensors[0].T

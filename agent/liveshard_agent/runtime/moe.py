@@ -31,7 +31,9 @@ def moe_forward(
     router = weights[prefix + "router"].tensors[0]
     probs = torch.softmax((tokens @ router.T).float(), dim=-1)
     top_probs, top_experts = probs.topk(cfg.top_k, dim=-1)
-    gates = (top_probs / top_probs.sum(-1, keepdim=True)).to(h.dtype)
+    if cfg.norm_topk_prob:
+        top_probs = top_probs / top_probs.sum(-1, keepdim=True)
+    gates = top_probs.to(h.dtype)
     fraction = torch.bincount(top_experts.flatten(), minlength=cfg.experts).float()
     fraction = fraction / top_experts.numel()
     aux = cfg.experts * (fraction * probs.mean(0)).sum()

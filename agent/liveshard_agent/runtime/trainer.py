@@ -56,7 +56,7 @@ class Scalars:
 def _std(param: Param, layers: int) -> float:
     """Initial standard deviation: 0.02, residual outputs scaled down by depth; norms are 1."""
     if len(param.shape) == 1:
-        return 0.0
+        return 0.0  # norms start at one, biases at zero
     if param.name.endswith((".o", ".down")):
         return 0.02 / math.sqrt(2 * layers)
     return 0.02
@@ -76,7 +76,7 @@ def initial_state(
         param = spec.params[ref.param]
         std = _std(param, spec.config.layers)
         if std == 0.0:
-            tensor.fill_(1.0)
+            tensor.fill_(0.0 if param.name.endswith("_bias") else 1.0)
             continue
         base = rng.key("init", seed, param.name)
         index = flat_index(param.shape, box, device)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InvalidInput
+from ..vps.hf import HfModel
 from ..vps.presets import CONFIGS, resolve_model
 from ..vps.spec import DType, ModelSpec, TransformerConfig, config_from_dict, config_to_dict
 from .deadlines import Deadlines
@@ -21,6 +22,7 @@ from .settings import TrainingSettings
 DEFAULT_PORT = 7070  # the agent API's
 DEFAULT_BUDGET = 256 << 20  # transfer buffer bytes per member per round
 PRECISIONS = ("fp32", "bf16")
+INITS = ("pretrained", "random")
 DEVICES = ("cpu", "cuda")
 _KEYS = ("model", "precision", "device", "training", "deadlines", "budget_bytes")
 
@@ -35,12 +37,36 @@ class JobConfig:
     training: TrainingSettings = field(default_factory=TrainingSettings)
     deadlines: Deadlines = field(default_factory=Deadlines)
     budget_bytes: int = DEFAULT_BUDGET
+    model_path: str | None = None  # a Hugging Face model directory `model` was read from
+    init: str | None = None  # None: from the directory's weights when it has them, else random
 
     def __post_init__(self) -> None:
         _choice(self.precision, "precision", PRECISIONS)
         _choice(self.device, "device", DEVICES)
+        _choice(self.init, "model.init", INITS)
         if type(self.budget_bytes) is not int or self.budget_bytes < 1:
             raise InvalidInput(f"budget_bytes={self.budget_bytes!r} must be a positive integer")
+        if self.init == "pretrained" and self.model_path is None:
+            raise InvalidInput("model.init=pretrained needs a model directory (model.path)")
+        window, seq = self.model.sliding_window, self.training.seq_len
+        if window and seq > window:
+            raise InvalidInput(
+                f"training.seq_len={seq} exceeds the model's sliding_window={window}: sliding-"
+                "window attention is not computed, so sequences must fit in the window"
+            )
+
+    @property
+    def hf_model(self) -> HfModel | None:
+        """The Hugging Face directory the model comes from, if any."""
+        return HfModel.load(self.model_path) if self.model_path else None
+
+    @property
+    def pretrained(self) -> HfModel | None:
+        """The directory whose weights training starts from; None: a fresh initialisation."""
+        model = self.hf_model
+        if model is None or self.init == "random" or (self.init is None and not model.has_weights):
+            return None
+        return model
 
     def model_spec(self, device_type: str) -> ModelSpec:
         """The model as every member builds it on `device_type`: fp32 parameters without a
@@ -55,7 +81,7 @@ class JobConfig:
     def to_json(self) -> str:
         return json.dumps(
             {
-                "model": _model_source(self.model),
+                "model": self._model_source(),
                 "precision": self.precision,
                 "device": self.device,
                 "training": self.training.as_dict(),
@@ -85,8 +111,12 @@ class JobConfig:
         budget = data.get("budget_bytes", DEFAULT_BUDGET)
         if type(budget) is not int:
             raise InvalidInput(f"budget_bytes={budget!r} must be a positive integer")
+        source = data["model"]
+        path = source.get("path") if isinstance(source, dict) else None
         return cls(
-            model=model_config(data["model"], "model"),
+            model=model_config(source, "model"),
+            model_path=path,
+            init=source.get("init") if path else None,
             precision=data.get("precision"),
             device=data.get("device"),
             training=TrainingSettings.from_dict(data.get("training") or {}),
@@ -94,12 +124,30 @@ class JobConfig:
             budget_bytes=budget,
         )
 
+    def _model_source(self) -> dict[str, Any]:
+        """A directory by its path, a preset by its name (readable in a pod's environment), any
+        other model by its fields."""
+        if self.model_path is not None:
+            return {"path": self.model_path} | ({"init": self.init} if self.init else {})
+        if CONFIGS.get(self.model.name) == self.model:
+            return {"preset": self.model.name}
+        return {"spec": config_to_dict(self.model)}
+
 
 def model_config(data: Any, where: str) -> TransformerConfig:
-    """`{"preset": NAME}` (a preset or a JSON/YAML file) or `{"spec": {model fields}}`."""
+    """`{"preset": NAME}` (a preset or a JSON/YAML file), `{"spec": {model fields}}` or
+    `{"path": DIR[, "init": "pretrained" | "random"]}` (a Hugging Face model directory)."""
+    if isinstance(data, dict) and "path" in data and set(data) <= {"path", "init"}:
+        if not isinstance(data["path"], str) or not data["path"]:
+            raise InvalidInput(f"{where}.path={data['path']!r} must be a directory")
+        try:
+            return HfModel.load(data["path"]).config
+        except InvalidInput as err:
+            raise InvalidInput(f"{where}.path: {err}") from None
     if not isinstance(data, dict) or len(data) != 1 or not {"preset", "spec"} >= set(data):
         raise InvalidInput(
-            f'{where}={data!r} must be {{"preset": NAME}} or {{"spec": {{model fields}}}}'
+            f'{where}={data!r} must be {{"preset": NAME}}, {{"spec": {{model fields}}}} or '
+            f'{{"path": DIR}}'
         )
     if "preset" in data:
         if not isinstance(data["preset"], str):
@@ -109,13 +157,6 @@ def model_config(data: Any, where: str) -> TransformerConfig:
         except InvalidInput as err:
             raise InvalidInput(f"{where}.preset: {err}") from None
     return config_from_dict(data["spec"], f"{where}.spec")
-
-
-def _model_source(config: TransformerConfig) -> dict[str, Any]:
-    """A preset by its name (readable in a pod's environment), any other model by its fields."""
-    if CONFIGS.get(config.name) == config:
-        return {"preset": config.name}
-    return {"spec": config_to_dict(config)}
 
 
 def _choice(value: Any, name: str, valid: tuple[str, ...]) -> None:

@@ -18,6 +18,8 @@ from typing import Any
 
 from ..errors import InvalidInput
 
+DATA_ORDERS = ("shuffled", "sequential")
+
 
 def _setting(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
@@ -45,7 +47,16 @@ class TrainingSettings:
     )
     aux_loss_coef: float = _setting(0.01, "weight of the MoE load-balancing loss")
     data: str | None = _setting(
-        None, "a file whose bytes are the training text (default: built in)"
+        None,
+        "a prepared token directory (liveshard-data prepare), or text (jsonl, parquet, text "
+        "files or a folder) tokenized on first use; without a tokenizer, a file whose bytes are "
+        "the tokens (default: the built-in corpus)",
+    )
+    tokenizer: str | None = _setting(
+        None, "a tokenizer.json (default: the model directory's, if it has one)"
+    )
+    data_order: str = _setting(
+        "shuffled", "sequential, or shuffled: a permutation of the samples that the seed fixes"
     )
 
     def __post_init__(self) -> None:
@@ -57,6 +68,10 @@ class TrainingSettings:
             raise InvalidInput(
                 f"training: micro_batch={self.micro_batch} must divide "
                 f"global_batch={self.global_batch}"
+            )
+        if self.data_order not in DATA_ORDERS:
+            raise InvalidInput(
+                f"training: data_order={self.data_order!r} must be one of {list(DATA_ORDERS)}"
             )
         if not 0 <= self.dropout < 1:
             raise InvalidInput(f"training: dropout={self.dropout} must be in [0, 1)")

@@ -6,6 +6,7 @@ from functools import cache
 from pathlib import Path
 
 from ..errors import InvalidInput
+from .hf import HfModel
 from .spec import ModelSpec, TransformerConfig, load_spec_file
 
 CONFIGS = {
@@ -43,12 +44,15 @@ def preset(name: str) -> ModelSpec:
 
 
 def resolve_model(name_or_path: str) -> ModelSpec:
-    """A preset name, or the path of a JSON/YAML model file."""
+    """A preset name, a Hugging Face model directory, or the path of a JSON/YAML model file."""
     if name_or_path in CONFIGS:
         return preset(name_or_path)
     path = Path(name_or_path)
+    if path.is_dir():
+        return ModelSpec.from_config(HfModel.load(path).config)
     if path.suffix in (".json", ".yaml", ".yml") or path.exists():
         return load_spec_file(path)
     raise InvalidInput(
-        f"unknown model {name_or_path!r}; presets: {sorted(CONFIGS)} or a JSON/YAML file"
+        f"unknown model {name_or_path!r}; presets: {sorted(CONFIGS)}, a Hugging Face model "
+        "directory or a JSON/YAML file"
     )

@@ -96,6 +96,12 @@ class TensorRef:
 
 
 _POSITIVE = ("vocab", "hidden", "layers", "heads", "kv_heads", "head_dim", "ffn")
+_POSITIVE_FLOATS = (
+    "rope_theta", "norm_eps", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+)  # fmt: skip
+_ROPE_TYPES = ("default", "llama3")
+BOOLS = ("tied_embeddings", "qk_norm", "fused_qkv", "fused_gate_up", "qkv_bias", "o_bias",
+         "norm_topk_prob")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -119,6 +125,18 @@ class TransformerConfig:
     param_dtype: DType = DType.BF16
     top_k: int = 2  # experts each token is routed to (MoE only)
     rope_theta: float = 10000.0  # base of the rotary position frequencies
+    norm_eps: float = 1e-6  # RMSNorm's epsilon
+    qkv_bias: bool = False  # q, k and v projections with biases (Qwen2)
+    o_bias: bool = False  # the output projection with a bias (Llama's attention_bias)
+    norm_topk_prob: bool = True  # the top-k routing weights renormalised to sum to 1
+    # Llama 3's rotary frequency scaling ("default": none): the factor, the low and high
+    # frequency factors and the context length the model was trained with.
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_positions: int = 0
+    sliding_window: int = 0  # attention window in tokens; 0: none (every sequence fits)
 
     def __post_init__(self) -> None:
         for field in _POSITIVE:
@@ -147,8 +165,25 @@ class TransformerConfig:
                 f"model {self.name!r}: top_k={self.top_k!r} must be an integer between 1 and "
                 f"the number of experts ({self.experts})"
             )
-        if not isinstance(self.rope_theta, int | float) or self.rope_theta <= 0:
-            raise InvalidInput(f"model {self.name!r}: rope_theta={self.rope_theta!r} must be > 0")
+        for field in _POSITIVE_FLOATS:
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise InvalidInput(f"model {self.name!r}: {field}={value!r} must be > 0")
+        if self.rope_type not in _ROPE_TYPES:
+            raise InvalidInput(
+                f"model {self.name!r}: rope_type={self.rope_type!r} must be one of {_ROPE_TYPES}"
+            )
+        low, high = self.rope_low_freq_factor, self.rope_high_freq_factor
+        if self.rope_type == "llama3" and (self.rope_original_positions < 1 or high <= low):
+            raise InvalidInput(
+                f"model {self.name!r}: llama3 rope scaling needs rope_original_positions >= 1 "
+                f"and rope_high_freq_factor > rope_low_freq_factor"
+            )
+        if type(self.sliding_window) is not int or self.sliding_window < 0:
+            raise InvalidInput(
+                f"model {self.name!r}: sliding_window={self.sliding_window!r} must be an "
+                "integer >= 0"
+            )
 
 
 def _attention(cfg: TransformerConfig, layer: int) -> list[Param]:
@@ -163,7 +198,13 @@ def _attention(cfg: TransformerConfig, layer: int) -> list[Param]:
         out.append(p("qkv", (q + 2 * kv, h), 0, parts=(q, kv, kv)))
     else:
         out += [p("q", (q, h), 0), p("k", (kv, h), 0), p("v", (kv, h), 0)]
+    if cfg.qkv_bias and cfg.fused_qkv:
+        out.append(p("qkv_bias", (q + 2 * kv,), 0, parts=(q, kv, kv)))
+    elif cfg.qkv_bias:
+        out += [p("q_bias", (q,), 0), p("k_bias", (kv,), 0), p("v_bias", (kv,), 0)]
     out.append(p("o", (h, q), 1))
+    if cfg.o_bias:
+        out.append(p("o_bias", (h,), None))
     if cfg.qk_norm:
         out += [p("q_norm", (cfg.head_dim,), None), p("k_norm", (cfg.head_dim,), None)]
     return out
@@ -304,13 +345,14 @@ def config_from_dict(data: Any, source: str) -> TransformerConfig:
     if missing:
         raise InvalidInput(f"{source}: missing required field(s) {missing}")
     values = dict(data)
-    for name in ("tied_embeddings", "qk_norm", "fused_qkv", "fused_gate_up"):
+    for name in BOOLS:
         if name in values and not isinstance(values[name], bool):
             raise InvalidInput(f"{source}: {name}={values[name]!r} must be true or false")
     if not isinstance(values["name"], str) or not values["name"]:
         raise InvalidInput(f"{source}: name={values['name']!r} must be a non-empty string")
-    if isinstance(values.get("rope_theta"), int) and not isinstance(values["rope_theta"], bool):
-        values["rope_theta"] = float(values["rope_theta"])  # JSON and YAML may drop the ".0"
+    for name in _POSITIVE_FLOATS:
+        if isinstance(values.get(name), int) and not isinstance(values[name], bool):
+            values[name] = float(values[name])  # JSON and YAML may drop the ".0"
     if "param_dtype" in values:
         valid = [d.value for d in DType]
         if values["param_dtype"] not in valid:

@@ -6,8 +6,9 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the runtime needs torch (the agent extra)")
 
+from liveshard_agent.data.corpus import builtin_corpus  # noqa: E402
 from liveshard_agent.runtime import rng  # noqa: E402
-from liveshard_agent.runtime.data import Dataset, builtin_corpus, load_corpus  # noqa: E402
+from liveshard_agent.runtime.data import Dataset, load_corpus  # noqa: E402
 from liveshard_agent.runtime.model import dropout_keep  # noqa: E402
 from liveshard_agent.runtime.trainer import Scalars  # noqa: E402
 from liveshard_core.job import TrainingSettings  # noqa: E402
@@ -40,8 +41,16 @@ def test_data_file_and_errors(tmp_path: pytest.TempPathFactory) -> None:
     assert set(data.batch(0, 4).inputs.flatten().tolist()) <= set(b"abcdefghij")
     with pytest.raises(ValueError, match="cannot read the data file"):
         load_corpus(str(tmp_path / "missing"))  # type: ignore[operator]
-    with pytest.raises(ValueError, match=r"the data has 100 bytes; .* need at least 130"):
+    with pytest.raises(ValueError, match=r"text.txt: corpus shorter than one sample: 100 tokens"):
         Dataset(load_corpus(str(path)), seq_len=128, seed=0)
+    # In order, sample j is the stream's tokens [j*S, j*S + S]; the next epoch starts over.
+    ordered = Dataset(load_corpus(str(path)), seq_len=8, seed=0, data_order="sequential")
+    stream = torch.tensor(list(path.read_bytes()))
+    batch = ordered.batch(0, 13)  # 12 samples of 8 (+1) in 100 bytes, then sample 0 again
+    for j in range(12):
+        assert batch.inputs[j].tolist() == stream[j * 8 : j * 8 + 8].tolist()
+        assert batch.targets[j].tolist() == stream[j * 8 + 1 : j * 8 + 9].tolist()
+    assert torch.equal(batch.inputs[12], batch.inputs[0])
 
 
 def test_dropout_masks_do_not_depend_on_the_layout() -> None:

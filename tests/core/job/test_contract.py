@@ -26,6 +26,7 @@ CHANGED: dict[str, Any] = {
     "global_batch": 12, "micro_batch": 3, "seq_len": 32, "steps": 7, "seed": 5, "lr": 0.01,
     "min_lr": 0.002, "warmup_steps": 3, "weight_decay": 0.05, "beta1": 0.8, "beta2": 0.9,
     "eps": 1e-6, "clip_norm": 0.5, "dropout": 0.1, "aux_loss_coef": 0.02, "data": "/data/text",
+    "tokenizer": "/data/tokenizer.json", "data_order": "sequential",
 }  # fmt: skip
 
 
