@@ -80,6 +80,7 @@ def test_examples_validate_and_get_their_defaults(jobs: Kube) -> None:
         "eps": 1e-8,
         "clipNorm": 1.0,
         "auxLossCoef": 0.01,
+        "dataOrder": "shuffled",
     }
     # No grace period by default: the operator derives one from the deadlines.
     assert "terminationGracePeriodSeconds" not in spec["template"]["spec"]
@@ -161,6 +162,16 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
         "neither preset nor spec",
         {"spec.model.preset": _DELETE, "spec.model.precision": "bf16"},
         ["spec.model needs exactly one of model.preset, model.spec and model.path"],
+    ),
+    (
+        "init without a model directory",
+        {"spec.model.init": "random"},
+        ["spec.model.init needs spec.model.path"],
+    ),
+    (
+        "a data order that does not exist",
+        {"spec.training.dataOrder": "random"},
+        ['spec.training.dataOrder: Unsupported value: "random"'],
     ),
     (
         "model spec with an unknown field",
