@@ -67,6 +67,18 @@ def open_data(settings: TrainingSettings, tokenizer: Path | None, vocab: int) ->
     return stream
 
 
+def job_dataset(settings: TrainingSettings, tokenizer: Path | None, vocab: int) -> Dataset:
+    """The job's samples (see `open_data`); a corpus shorter than one step is refused."""
+    stream = open_data(settings, tokenizer, vocab)
+    data = Dataset(stream, settings.seq_len, settings.seed, settings.data_order)
+    if data.samples < settings.global_batch:
+        raise InvalidInput(
+            f"{stream.directory}: corpus shorter than one step: {data.samples} samples of "
+            f"seq_len={settings.seq_len}, and a step trains on {settings.global_batch}"
+        )
+    return data
+
+
 def tokenizer_of(settings: TrainingSettings, model_dir: Path | None) -> Path | None:
     """The job's tokenizer: the one named, else the model directory's, else none (bytes)."""
     if settings.tokenizer is not None:

@@ -51,7 +51,7 @@ from . import checkpoint, recovery
 from .agreement import NONE, Readiness
 from .announcement import AbortAnnounced, SwitchAnnounced, announce, announced
 from .change import HELD, Change, Pending, max_over_world, state_digest
-from .data import Dataset, open_data, tokenizer_of
+from .data import job_dataset, tokenizer_of
 from .events import Checkpointed, Switched
 from .pretrained import load_pretrained
 from .recovery import Breakage, BreakReport
@@ -105,10 +105,7 @@ class Member:
         self.hf = hf  # the Hugging Face directory the model comes from; checkpoints record it
         self.pretrained = pretrained  # a first world starts from its weights (else fresh)
         tokenizer = tokenizer_of(settings, hf.directory if hf is not None else None)
-        self.dataset = Dataset(
-            open_data(settings, tokenizer, spec.config.vocab), settings.seq_len, settings.seed,
-            settings.data_order,
-        )  # fmt: skip
+        self.dataset = job_dataset(settings, tokenizer, spec.config.vocab)
         self.trainer: Trainer | None = None
         self.epoch = -1
         self.pending: Pending | None = None

@@ -133,8 +133,7 @@ class HfModel:
             return "lm_head.weight"
         _, layer, rest = logical.split(".", 2)
         prefix = f"model.layers.{layer}."
-        if rest in _LAYER and not (rest.startswith("mlp.") and self.config.experts
-                                   and rest != "mlp.norm"):  # fmt: skip
+        if rest in _LAYER:
             return prefix + _LAYER[rest]
         router, expert, names = _MOE[self.architecture]
         if rest == "mlp.router":

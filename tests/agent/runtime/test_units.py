@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch", reason="the runtime needs torch (the agent 
 
 from liveshard_agent.data.corpus import builtin_corpus  # noqa: E402
 from liveshard_agent.runtime import rng  # noqa: E402
-from liveshard_agent.runtime.data import Dataset, load_corpus  # noqa: E402
+from liveshard_agent.runtime.data import Dataset, job_dataset, load_corpus  # noqa: E402
 from liveshard_agent.runtime.model import dropout_keep  # noqa: E402
 from liveshard_agent.runtime.trainer import Scalars  # noqa: E402
 from liveshard_core.job import TrainingSettings  # noqa: E402
@@ -51,6 +51,11 @@ def test_data_file_and_errors(tmp_path: pytest.TempPathFactory) -> None:
         assert batch.inputs[j].tolist() == stream[j * 8 : j * 8 + 8].tolist()
         assert batch.targets[j].tolist() == stream[j * 8 + 1 : j * 8 + 9].tolist()
     assert torch.equal(batch.inputs[12], batch.inputs[0])
+    settings = TrainingSettings(data=str(path), seq_len=8, global_batch=16, micro_batch=2)
+    with pytest.raises(ValueError, match=r"corpus shorter than one step: 12 samples of seq_len=8"):
+        job_dataset(settings, None, 256)
+    with pytest.raises(ValueError, match=r"byte-level text needs 256; give a tokenizer"):
+        job_dataset(settings, None, 100)
 
 
 def test_dropout_masks_do_not_depend_on_the_layout() -> None:
