@@ -22,9 +22,10 @@ Memory: one logical tensor at a time. Each is read alone from the DCP files
 (`torch.distributed.checkpoint.load` of a one-entry state dict, in this process, without a
 process group), cut into its parts, cast, and its bytes appended to the shard being written:
 every shape and the output dtype are known beforehand, so each shard's safetensors header is
-written first and the tensors after it, and no shard is ever held in memory. The peak is about
-three times the largest logical tensor in its stored dtype (the tensor, DCP's read of one saved
-box of it, one cast part) above the interpreter and torch, whatever the shard size.
+written first and the tensors after it, and no shard is ever held in memory. The peak is at most
+about three times the largest logical tensor in its stored dtype (the tensor, DCP's read of one
+saved box of it, one cast part) above the interpreter and torch, whatever the shard size
+(`bench/export.py` measures under two; docs/export.md).
 
 OUT is written as `OUT.tmp-<pid>` beside it and renamed into place at the end, so a reader never
 sees a partial export; OUT must not exist, or be an empty folder. It must not decide anything
