@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from math import prod
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +96,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = write_model(Path(tmp), args.hidden, args.layers, args.vocab)
         spec = ModelSpec.from_config(model.config)
-        model_bytes = sum(p.numel() for p in _shapes(spec)) * DType.FP32.itemsize
+        model_bytes = sum(prod(p.shape) for p in spec.params) * DType.FP32.itemsize
         empty = "import resource, torch, safetensors; print(resource.getrusage(0).ru_maxrss * 1024)"
         baseline = _run([sys.executable, "-c", empty])
         results = []
@@ -117,10 +118,6 @@ def main() -> None:
     }  # fmt: skip
     print(json.dumps(out, indent=1))
     write_json(args.out, out)
-
-
-def _shapes(spec: ModelSpec) -> list[torch.Size]:
-    return [torch.Size(p.shape) for p in spec.params]
 
 
 def _run(command: list[str]) -> str:

@@ -59,7 +59,7 @@ def member_main(name: str, index: int, job: LocalJob, conn: Connection) -> None:
         member = Member(
             name=name, spec=job.spec(), settings=job.settings, device=device,
             deadlines=job.deadlines, job="local", checksums=job.checksums, hooks=hooks,
-            hf=job.config.hf_model, pretrained=job.config.pretrained is not None,
+            hf=job.config.hf_model, pretrained=job.config.pretrained,
         )  # fmt: skip
         run_member(member, _PipeInbox(conn), _reporter(job, conn), _before_step(job))
     except BaseException as err:

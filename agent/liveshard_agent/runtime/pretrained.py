@@ -39,7 +39,7 @@ class _Files:
         if path not in self.open:
             try:
                 self.open[path] = self.stack.enter_context(safe_open(str(path), "pt"))
-            except (OSError, Exception) as err:  # safetensors raises its own error types
+            except Exception as err:  # OSError, or one of safetensors' own error types
                 raise InvalidInput(f"cannot read weights {path}: {err}") from None
         handle = self.open[path]
         if name not in handle.keys():  # noqa: SIM118 (a safe_open handle is not a mapping)

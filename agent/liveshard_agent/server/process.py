@@ -62,7 +62,7 @@ def serve(config: AgentConfig, board: StatusBoard) -> int:
         member = Member(
             name=config.member, spec=spec, settings=job_config.training, device=device,
             deadlines=job_config.deadlines, job=config.job,
-            hf=job_config.hf_model, pretrained=job_config.pretrained is not None,
+            hf=job_config.hf_model, pretrained=job_config.pretrained,
         )  # fmt: skip
     except InvalidInput as err:  # the data file: missing, or too short for the sequence length
         raise ConfigError(f"LIVESHARD_CONFIG: training: {err}") from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from ..errors import InvalidInput
@@ -55,18 +56,19 @@ class JobConfig:
                 "window attention is not computed, so sequences must fit in the window"
             )
 
-    @property
+    @cached_property
     def hf_model(self) -> HfModel | None:
-        """The Hugging Face directory the model comes from, if any."""
+        """The Hugging Face directory the model comes from, if any (read once)."""
         return HfModel.load(self.model_path) if self.model_path else None
 
     @property
-    def pretrained(self) -> HfModel | None:
-        """The directory whose weights training starts from; None: a fresh initialisation."""
+    def pretrained(self) -> bool:
+        """Whether a first world starts from the directory's weights (else a fresh
+        initialisation)."""
         model = self.hf_model
-        if model is None or self.init == "random" or (self.init is None and not model.has_weights):
-            return None
-        return model
+        return model is not None and (
+            self.init == "pretrained" or (self.init is None and model.has_weights)
+        )
 
     def model_spec(self, device_type: str) -> ModelSpec:
         """The model as every member builds it on `device_type`: fp32 parameters without a

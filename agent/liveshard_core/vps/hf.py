@@ -59,6 +59,8 @@ _MOE = {
         {"gate": "w1", "up": "w3", "down": "w2"},
     ),
 }  # fmt: skip
+# Families whose every layer honours `sliding_window` when set.
+_SLIDING = ("MistralForCausalLM", "MixtralForCausalLM")
 _FUSED = {"qkv": ("q", "k", "v"), "qkv_bias": ("q_bias", "k_bias", "v_bias"),
           "gate_up": ("gate", "up")}  # fmt: skip
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(\w+)")
@@ -85,12 +87,12 @@ class HfModel:
     config: TransformerConfig
 
     @classmethod
-    def load(cls, directory: str | Path, fused: bool = True) -> HfModel:
-        """Read `directory/config.json`; `fused` keeps q/k/v and gate/up as one tensor each."""
+    def load(cls, directory: str | Path) -> HfModel:
+        """Read `directory/config.json` (q/k/v and gate/up kept fused, one tensor each)."""
         path = Path(directory)
         raw = read_json(path / "config.json")
         arch = architecture(raw, str(path / "config.json"))
-        config = from_hf(raw, arch, path.name or str(path), str(path / "config.json"), fused)
+        config = from_hf(raw, arch, path.name or str(path), str(path / "config.json"))
         return cls(path, arch, raw, config)
 
     @property
@@ -180,9 +182,7 @@ def architecture(raw: dict[str, Any], source: str) -> str:
     return str(archs[0])
 
 
-def from_hf(
-    raw: dict[str, Any], arch: str, name: str, source: str, fused: bool = True
-) -> TransformerConfig:
+def from_hf(raw: dict[str, Any], arch: str, name: str, source: str) -> TransformerConfig:
     """`config.json` as liveshard's config; refuses what it cannot compute exactly."""
 
     def get(key: str, default: Any = None) -> Any:
@@ -217,8 +217,8 @@ def from_hf(
         ffn=_need(raw, source, "intermediate_size"),
         tied_embeddings=bool(get("tie_word_embeddings", False)),
         qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-        fused_qkv=fused,
-        fused_gate_up=fused,
+        fused_qkv=True,
+        fused_gate_up=True,
         norm_eps=float(get("rms_norm_eps", 1e-6)),
         qkv_bias=arch == "Qwen2ForCausalLM" or bool(get("attention_bias", False)),
         o_bias=arch != "Qwen2ForCausalLM" and bool(get("attention_bias", False)),
@@ -239,10 +239,6 @@ def _need(raw: dict[str, Any], source: str, *keys: str) -> int:
         if raw.get(key) is not None:
             return int(raw[key])
     raise InvalidInput(f"{source}: {' or '.join(keys)} is required")
-
-
-# Families whose every layer honours `sliding_window` when set (Mistral, Mixtral).
-_SLIDING = ("MistralForCausalLM", "MixtralForCausalLM")
 
 
 def _experts(raw: dict[str, Any], arch: str, source: str) -> dict[str, Any]:

@@ -104,7 +104,7 @@ def test_a_job_names_its_directory_and_checks_the_window(tmp_path: Path) -> None
                                              "training": {"seq_len": 32}}))  # fmt: skip
     assert JobConfig.from_json(config.to_json()) == config
     assert config.model == resolve_model(str(directory)).config
-    assert config.pretrained is None  # random, and the directory has no weights anyway
+    assert not config.pretrained  # random, and the directory has no weights anyway
     with pytest.raises(InvalidInput, match=r"seq_len=64 exceeds the model's sliding_window=32"):
         JobConfig(model=config.model, training=TrainingSettings(seq_len=64))
     with pytest.raises(InvalidInput, match=r"model.init=pretrained needs a model directory"):
