@@ -17,11 +17,16 @@ COPY e2e/liveshard_e2e ./e2e/liveshard_e2e
 # A plain (not editable) install: the image keeps only the venv, not /src.
 RUN /opt/liveshard/bin/pip install ".[agent]" \
     && /opt/liveshard/bin/python -c "import torch, grpc, liveshard_agent.server.process"
+# The built-in model directory and its tokens (the preset qwen3-tiny), made once at build time.
+ENV LIVESHARD_CACHE=/opt/liveshard/cache
+RUN /opt/liveshard/bin/python -c \
+    "from liveshard_agent.data.builtin import builtin_tokens; builtin_tokens()"
 
 FROM python:3.11-slim
 ENV PATH=/opt/liveshard/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
+    LIVESHARD_CACHE=/opt/liveshard/cache \
     HOME=/tmp
 COPY --from=build /opt/liveshard /opt/liveshard
 # A fixed non-root user, no home directory, no shell login.

@@ -1,9 +1,9 @@
 """The README's main demo: liveshard on the local cluster, told as it happens.
 
 It brings up the local cluster, installs the chart with helm (the operator), applies the example
-`tiny` job, scales it 4 -> 2 -> 3 with `kubectl scale`, drains the node of one worker, kills a
-worker without notice, and prints as it goes each reconfiguration's reason, layouts, pause and
-bytes, and the loss going on.
+`tiny` job (the built-in Qwen3-format model `qwen3-tiny` on BPE tokens), scales it 4 -> 2 -> 3
+with `kubectl scale`, drains the node of one worker, kills a worker without notice, and prints
+as it goes each reconfiguration's reason, layouts, pause and bytes, and the loss going on.
 
     python -m liveshard_e2e.demo [--keep]
 """

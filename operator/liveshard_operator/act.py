@@ -94,7 +94,9 @@ class Executor:
         if isinstance(ask, Checkpoint):
             for member in ask.members:
                 try:
-                    self.clients[member].checkpoint(ask.number, ask.path, ask.at_step)
+                    self.clients[member].checkpoint(
+                        ask.number, ask.path, ask.at_step, ask.export_to
+                    )
                 except (AgentError, KeyError) as err:
                     log.warning(
                         "job %s: checkpoint %s on %s: %s", self.name, ask.number, member, err

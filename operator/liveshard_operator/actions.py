@@ -106,6 +106,7 @@ class Checkpoint:
     number: int
     path: str
     at_step: int
+    export_to: str = ""  # then the member of rank 0 exports it there once saved
 
 
 Ask = Begin | Checkpoint

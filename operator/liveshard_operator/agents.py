@@ -89,8 +89,11 @@ class AgentClient:
     def abort(self, epoch: int) -> None:
         self._call("Abort", pb.AbortRequest(epoch=epoch))
 
-    def checkpoint(self, number: int, path: str, at_step: int) -> None:
-        self._call("Checkpoint", pb.CheckpointRequest(number=number, path=path, at_step=at_step))
+    def checkpoint(self, number: int, path: str, at_step: int, export_to: str = "") -> None:
+        request = pb.CheckpointRequest(
+            number=number, path=path, at_step=at_step, export_to=export_to
+        )
+        self._call("Checkpoint", request)
 
     def release(self) -> None:
         self._call("Release", pb.ReleaseRequest())

@@ -182,8 +182,19 @@ def _silent(draft: Draft, members: list[str]) -> list[str]:
 
 
 def _finish(draft: Draft) -> None:
-    """The job trained its last step: release every agent and delete the pods."""
+    """The job trained its last step: release every agent and delete the pods (an export the
+    job asked for was written before its members said DONE)."""
     draft.finished = True
+    export, world = draft.job.spec.export_to, draft.record.world
+    speaker = draft.seen.pods.get(world.members[0]) if world else None
+    if export and speaker is not None and speaker.agent is not None:
+        saved = speaker.agent.last_checkpoint
+        if saved.exported_to == export:
+            draft.exported = export
+            draft.message = f"exported step {saved.step} to {export}"
+        else:
+            why = saved.export_error or "no checkpoint of the last step was saved"
+            draft.message = f"not exported to {export}: {why}"
     for pod in draft.seen.pods.values():
         draft.before += [ReleaseMember(pod.name), DeletePod(pod.name)]
 
@@ -198,18 +209,24 @@ def _backing_off(draft: Draft) -> bool:
 
 
 def _checkpoint_if_due(draft: Draft, world: World) -> None:
+    """Ask for the next periodic checkpoint (every `checkpoint.everySteps`) and, with
+    `checkpoint.exportTo`, for one of the last step, exported once saved."""
     spec = draft.job.spec
-    if not spec.checkpoint_every or not spec.checkpoint_path:
+    every, last = spec.checkpoint_every, spec.training.steps
+    if not spec.checkpoint_path or not (every or spec.export_to):
         return
     speaker = draft.seen.pods.get(world.members[0])
     if speaker is None or speaker.agent is None:
         return
-    number = speaker.agent.step // spec.checkpoint_every + 1
+    number = speaker.agent.step // every + 1 if every else 1
     if draft.record.checkpoint_asked >= number:
         return
-    at_step = number * spec.checkpoint_every
+    at_step = number * every if every else last
+    if spec.export_to and at_step >= last:
+        at_step = last
+    export_to = spec.export_to if at_step == last and spec.export_to else ""
     path = f"{spec.checkpoint_path.rstrip('/')}/step-{at_step}"
-    draft.ask = Checkpoint(world.members, number, path, at_step)
+    draft.ask = Checkpoint(world.members, number, path, at_step, export_to)
 
 
 def _restore(draft: Draft, why: str) -> None:

@@ -79,12 +79,14 @@ class Draft:
     last: Summary | None = None
     failure: Failure | None = None
     finished: bool = False
+    exported: str = ""
     before: list[Action] = field(default_factory=list)
     after: list[Action] = field(default_factory=list)
     ask: Ask | None = None
 
     def decision(self) -> Decision:
-        report = Report(self.message, tuple(self.spares), self.last, self.failure, self.finished)
+        report = Report(self.message, tuple(self.spares), self.last, self.failure,
+                        self.finished, self.exported)  # fmt: skip
         return Decision(self.job, self.seen, self.now, self.record, report,
                         tuple(self.before), tuple(self.after), self.ask)  # fmt: skip
 

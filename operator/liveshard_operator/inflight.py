@@ -83,8 +83,12 @@ def _commit(draft: Draft, plan: InFlight, agents: dict[str, pb.AgentStatus]) -> 
         pause_seconds=round(speaker.pause_seconds, 4) if plan.old else 0.0,
         bytes_moved=int(speaker.network_bytes),
     )  # fmt: skip
+    # A checkpoint asked for but not saved is asked again: the joiners never had it.
+    saved = max((agents[m].last_checkpoint.number for m in plan.new.members if m in agents),
+                default=0)  # fmt: skip
     draft.record = replace(draft.record, world=plan.new, in_flight=None, attempts=0,
-                           retry_after=0.0)  # fmt: skip
+                           retry_after=0.0,
+                           checkpoint_asked=min(draft.record.checkpoint_asked, saved))  # fmt: skip
     draft.last = last
     draft.after.append(Event(EventType.NORMAL, "Reconfigured",
                              f"epoch {plan.epoch} committed: {last.old or 'nothing'} -> "

@@ -62,6 +62,7 @@ class Report:
     last: Summary | None = None  # the reconfiguration this pass ended
     failure: Failure | None = None
     finished: bool = False  # the job trained its last step
+    exported: str = ""  # the Hugging Face directory its last step was exported to
 
 
 def status(
@@ -93,7 +94,10 @@ def status(
         conds.set("Failed", True, report.failure.reason, report.failure.message)
     elif report.finished:
         phase = "Succeeded"
-        conds.set("Succeeded", True, "Trained", f"trained {job.spec.training.steps} steps")
+        trained = f"trained {job.spec.training.steps} steps"
+        conds.set("Succeeded", True, "Trained", "; ".join(filter(None, (trained, message))))
+        if report.exported:
+            out["exportedTo"] = report.exported
     elif plan is not None:
         phase = "Reconfiguring"
     elif world is not None:

@@ -67,6 +67,7 @@ class JobSpec:
     config: JobConfig  # its device is set: cpu or cuda
     checkpoint_path: str | None
     checkpoint_every: int
+    export_to: str | None  # a Hugging Face directory the last step's checkpoint is written as
     restore_from: str
     port: int
     template: dict[str, Any] = field(repr=False)
@@ -80,6 +81,11 @@ class JobSpec:
         reconf = spec.get("reconfiguration") or {}
         ckpt = spec.get("checkpoint") or {}
         template = spec.get("template") or {}
+        if ckpt.get("exportTo") and not ckpt.get("path"):
+            raise InvalidInput(
+                "spec.checkpoint.exportTo needs spec.checkpoint.path: the export is written from "
+                "a checkpoint of the last step"
+            )
         source = {k: model[k] for k in ("preset", "spec", "path", "init") if k in model}
         config = JobConfig(
             model=model_config(source, "spec.model"),
@@ -109,6 +115,7 @@ class JobSpec:
             config=config,
             checkpoint_path=ckpt.get("path"),
             checkpoint_every=int(ckpt.get("everySteps", 0)),
+            export_to=ckpt.get("exportTo"),
             restore_from=str(ckpt.get("restoreFrom") or ""),
             port=int(spec.get("port", DEFAULT_PORT)),
             template=template,

@@ -215,3 +215,45 @@ def test_what_cannot_be_exported_exits_2_naming_the_problem(
         result.stderr
     )
     assert (tmp_path / "out" / "keep").exists()
+
+
+# A member that loads a Hugging Face directory and saves a checkpoint before any step: a world
+# of one, in its own process (its process groups are the default's).
+_LOAD_AND_SAVE = """
+import sys, torch
+from torch.distributed import HashStore
+from liveshard_agent.runtime.member import Member
+from liveshard_core.job import JobConfig, TrainingSettings
+from liveshard_core.layout.layout import Degrees
+from liveshard_core.vps.hf import HfModel
+directory, checkpoint, precision = sys.argv[1:]
+config = JobConfig(
+    model=HfModel.load(directory).config, model_path=directory, precision=precision,
+    training=TrainingSettings(global_batch=1, micro_batch=1, seq_len=8, steps=1),
+)
+spec = config.model_spec("cpu")
+member = Member(name="m0", spec=spec, settings=config.training, device=torch.device("cpu"),
+                store=HashStore(), hf=config.hf_model, pretrained=True)
+member.start(Degrees(dp=1).layout(spec, ["m0"]))
+member.checkpoint(checkpoint)
+"""
+
+
+@pytest.mark.parametrize(("family", "precision"), [("qwen3", "fp32"), ("mixtral", "bf16")])
+def test_load_then_export_without_training_gives_back_the_input_tensors_bit_for_bit(
+    tmp_path: Path, family: str, precision: str
+) -> None:
+    """In bf16 the fp32 master copy keeps the input's bits, so an fp32 export gives them back."""
+    model = hf_models.make_model(family, tmp_path / "model")
+    checkpoint = tmp_path / "checkpoint"
+    run = subprocess.run(
+        [sys.executable, "-c", _LOAD_AND_SAVE, str(model), str(checkpoint), precision],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = export(tmp_path, checkpoint, "--dtype", "fp32")
+    given, got = load_file(model / "model.safetensors"), exported_tensors(out)
+    assert given.keys() == got.keys()
+    for name, tensor in given.items():
+        assert tensor.dtype == got[name].dtype == torch.float32
+        assert torch.equal(tensor.view(torch.int32), got[name].view(torch.int32)), name

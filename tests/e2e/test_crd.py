@@ -224,6 +224,16 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
         ["spec.checkpoint.everySteps > 0 needs spec.checkpoint.path"],
     ),
     (
+        "an export without a checkpoint path",
+        {"spec.checkpoint.exportTo": "/out/hf"},
+        ["spec.checkpoint.exportTo needs spec.checkpoint.path"],
+    ),
+    (
+        "an export to a relative path",
+        {"spec.checkpoint": {"path": "/ck", "exportTo": "out/hf"}},
+        ["spec.checkpoint.exportTo", "should match '^/'"],
+    ),
+    (
         "timeouts out of order",
         {"spec.reconfiguration": {"opTimeoutSeconds": 60, "switchDeadlineSeconds": 30}},
         ["opTimeoutSeconds (60) < switchDeadlineSeconds (30) < prepareDeadlineSeconds (300)"],

@@ -13,6 +13,7 @@ import json
 import os
 import signal
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ import yaml
 
 from liveshard.v1 import agent_pb2 as pb
 from liveshard.v1 import agent_pb2_grpc as pb_grpc
+from liveshard_core.vps.hf import HfModel
+from liveshard_core.vps.presets import CONFIGS
 from liveshard_e2e.testing import Kube
 from liveshard_e2e.waiting import wait_until
 from tests.e2e.deployment import API, CHART, example, install_crd, release_name
@@ -279,6 +282,27 @@ def test_a_worker_lost_with_the_only_copy_of_its_state_restores_the_last_checkpo
     # The job trains on from the checkpoint, and grows back to 2 members.
     wait_until(lambda: training(2, after["epoch"] + 1)(status(kube)) or None, STARTUP,
                "back to 2 members", describe=lambda: json.dumps(status(kube))[:2000])  # fmt: skip
+
+
+def test_a_finished_job_is_exported_as_a_hugging_face_directory(
+    operator: Kube, tmp_path: Path
+) -> None:
+    kube = operator
+    out = tmp_path / "hf"
+    spec = {"path": str(tmp_path / "checkpoints"), "exportTo": str(out)}
+    body = job(2, checkpoint=spec)
+    body["spec"]["training"]["steps"] = 8
+    kube.apply(body)
+    done = Steps(kube).wait(lambda s: s.get("phase") == "Succeeded", "Succeeded", STARTUP)
+    assert done["exportedTo"] == str(out) and done["step"] == 8
+    succeeded = next(c for c in done["conditions"] if c["type"] == "Succeeded")
+    assert succeeded["message"] == f"trained 8 steps; exported step 8 to {out}"
+    saved = json.loads((tmp_path / "checkpoints" / "step-8" / "liveshard.json").read_text())
+    assert saved["scalars"]["step"] == 8
+    exported = HfModel.load(out)
+    assert exported.has_weights and (out / "tokenizer.json").is_file()
+    assert exported.config == replace(CONFIGS["qwen3-tiny"], name=exported.config.name)
+    wait_until(lambda: not members(kube) or None, 60, "the pods deleted")
 
 
 def test_a_count_no_layout_can_use_leaves_hot_spares(operator: Kube) -> None:

@@ -70,7 +70,7 @@ class FakeAgent:
     def abort(self, epoch: int) -> None:
         self._call("abort", epoch)
 
-    def checkpoint(self, number: int, path: str, at_step: int) -> None:
+    def checkpoint(self, number: int, path: str, at_step: int, export_to: str = "") -> None:
         self._call("checkpoint", number)
 
     def release(self) -> None:

@@ -29,6 +29,7 @@ from liveshard_operator.observation import Job, Observation
 from liveshard_operator.world import InFlight, Record
 
 from liveshard.v1 import agent_pb2 as pb
+from liveshard_core.errors import InvalidInput
 from tests.operator.values import (
     NOW,
     broken,
@@ -67,6 +68,13 @@ def brief(action: Action) -> str:
         case Event(type=kind, reason=reason):
             return f"{kind.value} {reason}"
     raise AssertionError(action)
+
+
+def copy_of(agent: pb.AgentStatus | None) -> pb.AgentStatus:
+    out = pb.AgentStatus()
+    if agent is not None:
+        out.CopyFrom(agent)
+    return out
 
 
 def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
@@ -381,6 +389,71 @@ def test_a_checkpoint_is_recorded_once_every_member_took_it(taken: bool) -> None
     after = checkpointed(decision, taken)
     assert after.ask is None
     assert after.record.checkpoint_asked == (3 if taken else 0)
+
+
+@pytest.mark.parametrize(
+    ("every", "step", "asked", "expected"),
+    [
+        (0, 10, 0, (1, 100, "/hf")),  # export only: one checkpoint of the last step
+        (0, 10, 1, None),  # already asked
+        (5, 10, 0, (3, 15, "")),  # periodic, not yet the last
+        (40, 90, 0, (3, 100, "/hf")),  # the next period is past the end: the last step
+        (50, 60, 0, (2, 100, "/hf")),  # a period that ends at the last step is exported
+    ],
+)
+def test_the_last_step_is_checkpointed_and_exported(
+    every: int, step: int, asked: int, expected: tuple[int, int, str] | None
+) -> None:
+    the_job = job(3, checkpoint={"path": "/ck", "everySteps": every, "exportTo": "/hf"})
+    pods = seen(*(pod(m, training(1, step=step), role=M) for m in ("p0", "p1", "p2")))
+    decision = decide(pods, Record(world=W3, checkpoint_asked=asked), the_job, NOW)
+    if expected is None:
+        assert decision.ask is None
+        return
+    number, at_step, export_to = expected
+    path = f"/ck/step-{at_step}"
+    assert decision.ask == Checkpoint(("p0", "p1", "p2"), number, path, at_step, export_to)
+
+
+@pytest.mark.parametrize(
+    ("saved", "message", "exported"),
+    [
+        (pb.CheckpointSummary(number=1, step=100, path="/ck/step-100", exported_to="/hf"),
+         "exported step 100 to /hf", "/hf"),
+        (pb.CheckpointSummary(number=1, step=100, path="/ck/step-100",
+                              export_error="InvalidInput: --out /hf: exists"),
+         "not exported to /hf: InvalidInput: --out /hf: exists", None),
+        (pb.CheckpointSummary(), "not exported to /hf: no checkpoint of the last step was saved",
+         None),
+    ],
+)  # fmt: skip
+def test_a_finished_job_says_where_it_was_exported(
+    saved: pb.CheckpointSummary, message: str, exported: str | None
+) -> None:
+    the_job = job(3, checkpoint={"path": "/ck", "exportTo": "/hf"})
+    speaker = done(1)
+    speaker.last_checkpoint.CopyFrom(saved)
+    pods = seen(pod("p0", speaker, role=M), *TRAINING3[1:])
+    status = decide(pods, Record(world=W3), the_job, NOW).status
+    assert status["phase"] == "Succeeded" and status.get("exportedTo") == exported
+    assert condition(status, "Succeeded")["message"] == f"trained 100 steps; {message}"
+
+
+def test_exporting_needs_a_checkpoint_path() -> None:
+    with pytest.raises(InvalidInput, match=r"exportTo needs spec\.checkpoint\.path"):
+        job(3, checkpoint={"exportTo": "/hf"})
+
+
+def test_a_commit_asks_again_for_a_checkpoint_its_joiners_never_had() -> None:
+    case = CASES["in flight: every new member trains in its epoch, commit"]
+    record = replace(case.record, checkpoint_asked=4)
+    pods = []
+    for member in case.seen.pods.values():
+        agent = copy_of(member.agent)
+        agent.last_checkpoint.CopyFrom(checkpoint(2, 10, "/ck/step-10"))
+        pods.append(replace(member, agent=agent))
+    decision = decide(seen(*pods), record, case.job, NOW)
+    assert decision.record.checkpoint_asked == 2
 
 
 def test_a_commit_summarises_the_switch() -> None:

@@ -5,7 +5,9 @@ can be downloaded.
 `config.json`, a byte-level BPE `tokenizer.json` of 512 ids trained on the built-in corpus
 (`liveshard_agent.data.corpus.builtin_corpus`), `tokenizer_config.json` and
 `generation_config.json`. `builtin_tokens` is that corpus (one document) prepared with that
-tokenizer. Both live under `$LIVESHARD_CACHE/models` (default `~/.cache/liveshard/models`), named
+tokenizer. The core's preset `qwen3-tiny` is this model's shape: a job of that preset
+(`job_model`) trains it with its tokenizer, so a cluster job needs no files to name. Both live
+under `$LIVESHARD_CACHE/models` (default `~/.cache/liveshard/models`), named
 by a hash of what they are made from (the recipe below, the corpus generator's source, the
 tokenizers and Python versions), so a change to any of it makes new ones; each is made once, in a
 temporary directory renamed into place, so processes that race agree on one. Training is
@@ -31,9 +33,14 @@ from typing import Any
 import tokenizers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from liveshard_core.job import JobConfig
+from liveshard_core.vps.hf import HfModel
+from liveshard_core.vps.presets import CONFIGS
+
 from .corpus import builtin_corpus
 from .prepare import prepare
 
+PRESET = "qwen3-tiny"
 EOS = "<|endoftext|>"
 VOCAB_SIZE = 512
 RECIPE_VERSION = 1
@@ -75,6 +82,14 @@ def cache_root() -> Path:
 def builtin_model_dir() -> Path:
     """The built-in tiny Qwen3 model directory (made on first use)."""
     return _made(cache_root() / f"qwen3-tiny-{_digest()}", _write_model)
+
+
+def job_model(config: JobConfig) -> HfModel | None:
+    """The Hugging Face directory a job's model comes from: its model path, or the built-in
+    directory when the model is the `qwen3-tiny` preset."""
+    if config.hf_model is not None:
+        return config.hf_model
+    return HfModel.load(builtin_model_dir()) if config.model == CONFIGS[PRESET] else None
 
 
 @cache

@@ -51,7 +51,7 @@ from liveshard_core.job import Cause
 from liveshard_core.job.flags import add_training_flags, training_from_flags
 from liveshard_core.layout.layout import Degrees, Layout, parse_degrees
 
-from ..data.builtin import builtin_model_dir
+from ..data.builtin import PRESET
 from ..engine.world import StoreAddress
 from ..runtime.change import Change
 from ..runtime.events import Broke, Checkpointed, Finished, Refused, Stepped, Switched
@@ -311,10 +311,11 @@ def run_job(job: LocalJob) -> list[Line]:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="liveshard-local", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model",
+    parser.add_argument("--model", default=PRESET,
                         help="a Hugging Face model directory, a preset name or a JSON/YAML "
-                             "model file (default: the built-in tiny Qwen3 directory, whose "
-                             "BPE tokenizer was trained on the built-in corpus)")  # fmt: skip
+                             "model file (default: qwen3-tiny, the built-in tiny Qwen3 "
+                             "directory, whose BPE tokenizer was trained on the built-in "
+                             "corpus)")  # fmt: skip
     parser.add_argument("--init", choices=["pretrained", "random"],
                         help="start from the model directory's weights (the default when it "
                              "has them) or from a fresh initialisation")  # fmt: skip
@@ -349,9 +350,8 @@ def _parser() -> argparse.ArgumentParser:
 def job_from_args(args: argparse.Namespace) -> LocalJob:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     layout = parse_degrees(args.layout) if args.layout else Degrees(dp=args.nprocs)
-    model = args.model or str(builtin_model_dir())
     config = local_config(
-        model, training_from_flags(args), device=device, precision=args.precision,
+        args.model, training_from_flags(args), device=device, precision=args.precision,
         budget=parse_bytes(args.budget), init=args.init,
     )  # fmt: skip
     return LocalJob(

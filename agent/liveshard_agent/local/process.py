@@ -20,6 +20,7 @@ from typing import cast
 
 import torch
 
+from ..data.builtin import job_model
 from ..runtime.events import Checkpointed, Event, Report, Stepped
 from ..runtime.loop import Command, run_member
 from ..runtime.member import Member
@@ -59,7 +60,7 @@ def member_main(name: str, index: int, job: LocalJob, conn: Connection) -> None:
         member = Member(
             name=name, spec=job.spec(), settings=job.settings, device=device,
             deadlines=job.deadlines, job="local", checksums=job.checksums, hooks=hooks,
-            hf=job.config.hf_model, pretrained=job.config.pretrained,
+            hf=job_model(job.config), pretrained=job.config.pretrained,
         )  # fmt: skip
         run_member(member, _PipeInbox(conn), _reporter(job, conn), _before_step(job))
     except BaseException as err:

@@ -58,13 +58,17 @@ class Switched:
 
 @dataclass(frozen=True)
 class Checkpointed:
-    """Checkpoint `number` saved at `step` to `path`; `report` as for `Switched`."""
+    """Checkpoint `number` saved at `step` to `path`; `report` as for `Switched`. `export_to`:
+    where it was asked to be exported (by the server, which fills in `export_error` if that
+    failed)."""
 
     number: int
     step: int
     path: str
     seconds: float
     report: bool
+    export_to: str = ""
+    export_error: str = ""
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,7 @@ class CheckpointAt:
     number: int
     path: str
     at_step: int
+    export_to: str = ""  # see `Checkpointed`
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,9 @@ def _obey(member: Member, command: Command, stores: _Stores, report: Report) -> 
         elif isinstance(command, Drop):
             report(member.drop(command.epoch))
         elif isinstance(command, CheckpointAt):
-            member.request_checkpoint(command.number, command.path, command.at_step)
+            member.request_checkpoint(
+                command.number, command.path, command.at_step, command.export_to
+            )
     except LiveshardError as err:
         report(Refused(type(command).__name__, str(err)))
     except RuntimeError as err:  # torch's: a peer that never came, a broken connection

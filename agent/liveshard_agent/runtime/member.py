@@ -76,6 +76,7 @@ class _Checkpoint:
     number: int
     path: str
     at_step: int
+    export_to: str = ""
 
 
 class Member:
@@ -259,14 +260,15 @@ class Member:
 
     # ---- checkpoints ----
 
-    def request_checkpoint(self, number: int, path: str, at_step: int) -> None:
+    def request_checkpoint(self, number: int, path: str, at_step: int, export_to: str = "") -> None:
         """Save checkpoint `number` to `path` at the first boundary at or after `at_step` at which
-        every member of the world has asked for the same number."""
+        every member of the world has asked for the same number (`export_to`: see
+        `Checkpointed`)."""
         if self.checkpoint_due is not None and self.checkpoint_due.number >= number:
             raise InvalidInput(
                 f"checkpoint {number}: checkpoint {self.checkpoint_due.number} is still due"
             )
-        self.checkpoint_due = _Checkpoint(number, path, at_step)
+        self.checkpoint_due = _Checkpoint(number, path, at_step, export_to)
 
     def checkpoint(self, directory: str) -> float:
         """Save the job's state now (every member of the world calls this at the same
@@ -284,7 +286,9 @@ class Member:
     def _checkpoint(self, due: _Checkpoint) -> Checkpointed:
         seconds = self.checkpoint(due.path)
         self.checkpoint_due = None
-        return Checkpointed(due.number, self.step, due.path, round(seconds, 6), self.speaks)
+        return Checkpointed(
+            due.number, self.step, due.path, round(seconds, 6), self.speaks, due.export_to
+        )
 
     # ---- reconfiguration ----
 

@@ -15,12 +15,15 @@ from dataclasses import replace
 
 import torch
 
-from liveshard_core.errors import InvalidInput
+from liveshard_core.errors import InvalidInput, LiveshardError
 from liveshard_core.job import Deadlines
 from liveshard_core.layout.layout import Layout
 
+from ..data.builtin import job_model
 from ..engine.record import context_logger
 from ..engine.world import host_store
+from ..export import export
+from ..runtime.events import Checkpointed, Event, Report
 from ..runtime.loop import run_member
 from ..runtime.member import Member
 from .config import AgentConfig, ConfigError
@@ -62,7 +65,7 @@ def serve(config: AgentConfig, board: StatusBoard) -> int:
         member = Member(
             name=config.member, spec=spec, settings=job_config.training, device=device,
             deadlines=job_config.deadlines, job=config.job,
-            hf=job_config.hf_model, pretrained=job_config.pretrained,
+            hf=job_model(job_config), pretrained=job_config.pretrained,
         )  # fmt: skip
     except InvalidInput as err:  # the data file: missing, or too short for the sequence length
         raise ConfigError(f"LIVESHARD_CONFIG: training: {err}") from None
@@ -94,7 +97,7 @@ def serve(config: AgentConfig, board: StatusBoard) -> int:
     )  # fmt: skip
     status = 0
     try:
-        run_member(member, inbox, reporter)
+        run_member(member, inbox, exporting(reporter, logger))
     except Exception as err:  # a broken world or a bug: report it, keep serving the status
         reporter.fail(f"{type(err).__name__}: {err}")
         service.released.wait()
@@ -104,3 +107,21 @@ def serve(config: AgentConfig, board: StatusBoard) -> int:
         server.stop(_STOP_GRACE).wait()
     reporter.log.info("released: exiting with status %s", status)
     return status
+
+
+def exporting(report: Report, logger: logging.LoggerAdapter[logging.Logger]) -> Report:
+    """`report`, with a checkpoint asked to be exported written as a Hugging Face directory
+    first, by the member of rank 0 once every member has saved its part (it runs on the member's
+    loop, so the job's last step is reported DONE only after its export)."""
+
+    def report_exported(event: Event) -> None:
+        if isinstance(event, Checkpointed) and event.report and event.export_to:
+            try:
+                export(event.path, event.export_to)
+                logger.info("checkpoint %s exported to %s", event.number, event.export_to)
+            except (LiveshardError, OSError) as err:
+                event = replace(event, export_error=f"{type(err).__name__}: {err}")
+                logger.error("checkpoint %s not exported: %s", event.number, event.export_error)
+        report(event)
+
+    return report_exported

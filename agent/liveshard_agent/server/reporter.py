@@ -95,9 +95,11 @@ class Reporter:
                     event.from_layout, event.to_layout, event.result.value, why,
                 )  # fmt: skip
             case Checkpointed():
+                exported = event.export_to if event.report and not event.export_error else ""
                 update["last_checkpoint"] = CheckpointSummary(
-                    event.number, event.step, event.path, event.seconds
-                )
+                    event.number, event.step, event.path, event.seconds, exported,
+                    event.export_error,
+                )  # fmt: skip
                 self.log.info("checkpoint %s saved at step %s to %s", event.number, event.step,
                               event.path)  # fmt: skip
             case Broke(breakage=breakage):

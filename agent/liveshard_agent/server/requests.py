@@ -188,3 +188,10 @@ def checkpoint_path(path: str) -> str:
             f"path={path!r} must be an absolute path of a directory every member can write"
         )
     return path
+
+
+def export_path(path: str) -> str:
+    """A checkpoint's `export_to`: empty (none), or an absolute path."""
+    if path and not os.path.isabs(path):
+        raise InvalidInput(f"export_to={path!r} must be empty or an absolute path")
+    return path

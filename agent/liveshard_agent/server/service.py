@@ -240,6 +240,7 @@ class AgentService:
             raise InvalidInput(f"number={request.number} must be >= 0 (increasing per job)")
         path = requests.checkpoint_path(request.path)
         at_step = requests.at_step(request.at_step)
+        export_to = requests.export_path(request.export_to)
         with self._lock:
             snapshot = self._serving()
             seen = snapshot.observed
@@ -259,7 +260,7 @@ class AgentService:
                     f"number={request.number} must be greater than {last}, the last checkpoint "
                     "asked for here"
                 )
-            ticket = self.inbox.put(CheckpointAt(request.number, path, at_step))
+            ticket = self.inbox.put(CheckpointAt(request.number, path, at_step, export_to))
             self._claim(Claim(ticket.number, ClaimKind.CHECKPOINT, request.number, at_step))
             self.checkpoints[request.number] = request
         self.log.info("checkpoint %s to %s at step >= %s accepted", request.number, path, at_step)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 
 from liveshard.v1 import agent_pb2 as pb
@@ -101,6 +101,8 @@ class CheckpointSummary:
     step: int
     path: str
     seconds: float
+    exported_to: str = ""
+    export_error: str = ""
 
 
 @dataclass(frozen=True)
@@ -184,10 +186,7 @@ class Snapshot:
                 )
             )  # fmt: skip
         if self.last_checkpoint is not None:
-            c = self.last_checkpoint
-            status.last_checkpoint.CopyFrom(
-                pb.CheckpointSummary(number=c.number, step=c.step, path=c.path, seconds=c.seconds)
-            )
+            status.last_checkpoint.CopyFrom(pb.CheckpointSummary(**asdict(self.last_checkpoint)))
         return status
 
 

@@ -17,6 +17,13 @@ CONFIGS = {
             name="tiny", vocab=256, hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16,
             ffn=192, tied_embeddings=True, fused_qkv=True, fused_gate_up=True,
         ),
+        # The built-in Hugging Face model (liveshard_agent.data.builtin): a tiny Qwen3 with a
+        # 512-id BPE tokenizer; a job of this preset trains it on the tokenized built-in corpus.
+        TransformerConfig(
+            name="qwen3-tiny", vocab=512, hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16,
+            ffn=192, tied_embeddings=True, qk_norm=True, fused_qkv=True, fused_gate_up=True,
+            norm_eps=1e-6,
+        ),
         TransformerConfig(
             name="tiny-moe", vocab=256, hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16,
             ffn=192, experts=8, expert_ffn=48, qk_norm=True,

@@ -111,14 +111,16 @@ class AbortResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class CheckpointRequest(_message.Message):
-    __slots__ = ("number", "path", "at_step")
+    __slots__ = ("number", "path", "at_step", "export_to")
     NUMBER_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     AT_STEP_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_TO_FIELD_NUMBER: _ClassVar[int]
     number: int
     path: str
     at_step: int
-    def __init__(self, number: _Optional[int] = ..., path: _Optional[str] = ..., at_step: _Optional[int] = ...) -> None: ...
+    export_to: str
+    def __init__(self, number: _Optional[int] = ..., path: _Optional[str] = ..., at_step: _Optional[int] = ..., export_to: _Optional[str] = ...) -> None: ...
 
 class CheckpointResponse(_message.Message):
     __slots__ = ()
@@ -256,13 +258,17 @@ class SwitchSummary(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., result: _Optional[_Union[SwitchSummary.Result, str]] = ..., cause: _Optional[_Union[SwitchSummary.Cause, str]] = ..., reason: _Optional[str] = ..., to: _Optional[str] = ..., pause_seconds: _Optional[float] = ..., prepare_seconds: _Optional[float] = ..., network_bytes: _Optional[int] = ..., **kwargs) -> None: ...
 
 class CheckpointSummary(_message.Message):
-    __slots__ = ("number", "step", "path", "seconds")
+    __slots__ = ("number", "step", "path", "seconds", "exported_to", "export_error")
     NUMBER_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EXPORTED_TO_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_ERROR_FIELD_NUMBER: _ClassVar[int]
     number: int
     step: int
     path: str
     seconds: float
-    def __init__(self, number: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
+    exported_to: str
+    export_error: str
+    def __init__(self, number: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., seconds: _Optional[float] = ..., exported_to: _Optional[str] = ..., export_error: _Optional[str] = ...) -> None: ...

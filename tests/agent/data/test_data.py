@@ -4,6 +4,7 @@ small byte-level BPE is trained here."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -24,6 +25,9 @@ from liveshard_agent.data.prepare import cached, main, prepare, resolve_data
 from liveshard_agent.data.sources import documents
 from liveshard_agent.data.tokens import TokenStream
 from liveshard_core.errors import InvalidInput
+from liveshard_core.job import JobConfig
+from liveshard_core.vps.hf import HfModel
+from liveshard_core.vps.presets import CONFIGS
 
 ROOT = Path(__file__).resolve().parents[3]
 EOS = "<eos>"
@@ -368,3 +372,16 @@ def test_builtin_model_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     stream.check_vocab(512)
     assert stream.tokens.dtype == np.uint16 and len(stream) > 100_000
     assert builtin.builtin_tokens() == stream.directory
+
+
+def test_builtin_preset_is_the_builtin_directory() -> None:
+    """The `qwen3-tiny` preset has the built-in directory's shape, and a job of it trains with
+    that directory's tokenizer; another preset's job has no directory."""
+    directory = builtin.builtin_model_dir()
+    read = HfModel.load(directory).config
+    assert dataclasses.replace(read, name=builtin.PRESET) == CONFIGS[builtin.PRESET]
+    model = builtin.job_model(JobConfig(model=CONFIGS[builtin.PRESET]))
+    assert model is not None and model.directory == directory
+    assert builtin.job_model(JobConfig(model=CONFIGS["tiny"])) is None
+    path = JobConfig(model=read, model_path=str(directory))
+    assert builtin.job_model(path) is path.hf_model

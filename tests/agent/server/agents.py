@@ -24,10 +24,11 @@ from liveshard.v1 import agent_pb2_grpc as pb_grpc
 AGENT = str(Path(sys.executable).parent / "liveshard-agent")
 HOST = "127.0.0.1"
 TOKEN = "test-token-0123456789abcdef"
-# Short jobs: the tiny model, a small global batch (dp 1, 2 or 4 divide it), short samples.
+# Short jobs: the built-in tiny Qwen3 (exportable), a small global batch (dp 1, 2 or 4 divide
+# it), short samples.
 TRAINING = {"global_batch": 4, "micro_batch": 1, "seq_len": 32, "steps": 100_000}
 CONFIG = {
-    "model": {"preset": "tiny"},
+    "model": {"preset": "qwen3-tiny"},
     "training": TRAINING,
     "deadlines": {"op": 20, "switch": 60, "prepare": 90},
 }

@@ -21,6 +21,7 @@ import pytest
 pytest.importorskip("torch", reason="the agent needs torch (the agent extra)")
 
 from liveshard.v1 import agent_pb2 as pb
+from liveshard_core.vps.hf import HfModel
 
 from .agents import CONFIG, Agent, Phase, agents, layout
 
@@ -167,13 +168,17 @@ def test_a_job_grows_shrinks_aborts_checkpoints_and_drains(
     assert err.code() == Code.INVALID_ARGUMENT and "epoch=3 was used before" in str(err)
     trains(a0, a0.status().step)
 
-    # A checkpoint, agreed by both members.
-    path = str(tmp_path / "ckpt-1")
+    # A checkpoint, agreed by both members, exported by the first.
+    path, out = str(tmp_path / "ckpt-1"), str(tmp_path / "hf")
     for agent in (a0, a2):
-        agent.call("Checkpoint", pb.CheckpointRequest(number=1, path=path, at_step=0))
+        request = pb.CheckpointRequest(number=1, path=path, at_step=0, export_to=out)
+        agent.call("Checkpoint", request)
     for agent in (a0, a2):
         status = agent.wait_for("checkpoint 1", lambda s: s.last_checkpoint.number == 1)
         assert status.last_checkpoint.path == path and status.last_checkpoint.step > 0
+        assert not status.last_checkpoint.export_error
+    assert [a.status().last_checkpoint.exported_to for a in (a0, a2)] == [out, ""]
+    assert HfModel.load(out).has_weights
     saved = json.loads((tmp_path / "ckpt-1" / "liveshard.json").read_text())
     assert saved["members"] == ["a0", "a2"] and saved["scalars"]["step"] > 0
     err = a0.refused("Checkpoint", pb.CheckpointRequest(number=1, path=path))
