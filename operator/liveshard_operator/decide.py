@@ -64,7 +64,11 @@ def _broken(pod: Pod | None) -> bool:
 
 
 def _done(pod: Pod | None) -> bool:
-    return pod is not None and pod.agent is not None and pod.agent.phase == pb.AgentStatus.DONE
+    return pod is not None and _done_agent(pod.agent)
+
+
+def _done_agent(agent: pb.AgentStatus | None) -> bool:
+    return agent is not None and agent.phase == pb.AgentStatus.DONE
 
 
 # ---- the first world ----
@@ -105,7 +109,7 @@ def _steady(draft: Draft, world: World) -> None:
     spec, model = draft.job.spec, draft.job.model
     pods, members = draft.seen.pods, list(world.members)
     if any(_done(pods.get(m)) for m in members):
-        _finish(draft)
+        _finish(draft, world)
         return
     lost = [m for m in members if m not in pods or pods[m].gone] + _silent(draft, members)
     leaving = [m for m in members if m in pods and pods[m].leaving and m not in lost]
@@ -181,22 +185,43 @@ def _silent(draft: Draft, members: list[str]) -> list[str]:
     return out
 
 
-def _finish(draft: Draft) -> None:
-    """The job trained its last step: release every agent and delete the pods (an export the
-    job asked for was written before its members said DONE)."""
+def _finish(draft: Draft, world: World) -> None:
+    """The job trained its last step: once exported if it asks for that, release every agent
+    and delete the pods."""
+    export = draft.job.spec.export_to
+    if export and not _exported(draft, world, export):
+        return
     draft.finished = True
-    export, world = draft.job.spec.export_to, draft.record.world
-    speaker = draft.seen.pods.get(world.members[0]) if world else None
-    if export and speaker is not None and speaker.agent is not None:
-        saved = speaker.agent.last_checkpoint
-        if saved.exported_to == export:
-            draft.exported = export
-            draft.message = f"exported step {saved.step} to {export}"
-        else:
-            why = saved.export_error or "no checkpoint of the last step was saved"
-            draft.message = f"not exported to {export}: {why}"
     for pod in draft.seen.pods.values():
         draft.before += [ReleaseMember(pod.name), DeletePod(pod.name)]
+
+
+def _exported(draft: Draft, world: World, export: str) -> bool:
+    """Whether the job's last step was exported to `export`, or cannot be (the message says
+    which). If not yet: once every member has trained the last step (they keep their state),
+    ask them for its checkpoint, which they save at once and the first exports."""
+    pods, last = draft.seen.pods, draft.job.spec.training.steps
+    agents = [pods[m].agent if m in pods and not pods[m].gone else None for m in world.members]
+    speaker = agents[0]
+    saved = speaker.last_checkpoint if speaker is not None else pb.CheckpointSummary()
+    if saved.exported_to == export:
+        draft.exported = export
+        draft.message = f"exported step {saved.step} to {export}"
+        return True
+    unable = saved.export_error or next(
+        (f"{m} is gone" for m, a in zip(world.members, agents, strict=True)
+         if a is None or a.phase not in (pb.AgentStatus.DONE, pb.AgentStatus.TRAINING)),
+        "",
+    )  # fmt: skip
+    if unable:
+        draft.message = f"not exported to {export}: {unable}"
+        return True
+    draft.message = f"exporting step {last} to {export}"
+    asked = draft.record.checkpoint_asked
+    if all(_done_agent(a) for a in agents) and asked <= saved.number:
+        number = max(asked, saved.number) + 1
+        draft.ask = Checkpoint(world.members, number, _step_dir(draft, last), last, export)
+    return False
 
 
 def _next_epoch(draft: Draft) -> int:
@@ -225,8 +250,11 @@ def _checkpoint_if_due(draft: Draft, world: World) -> None:
     if spec.export_to and at_step >= last:
         at_step = last
     export_to = spec.export_to if at_step == last and spec.export_to else ""
-    path = f"{spec.checkpoint_path.rstrip('/')}/step-{at_step}"
-    draft.ask = Checkpoint(world.members, number, path, at_step, export_to)
+    draft.ask = Checkpoint(world.members, number, _step_dir(draft, at_step), at_step, export_to)
+
+
+def _step_dir(draft: Draft, step: int) -> str:
+    return f"{(draft.job.spec.checkpoint_path or '').rstrip('/')}/step-{step}"
 
 
 def _restore(draft: Draft, why: str) -> None:

@@ -294,7 +294,7 @@ def test_a_finished_job_is_exported_as_a_hugging_face_directory(
     body["spec"]["training"]["steps"] = 8
     kube.apply(body)
     done = Steps(kube).wait(lambda s: s.get("phase") == "Succeeded", "Succeeded", STARTUP)
-    assert done["exportedTo"] == str(out) and done["step"] == 8
+    assert done.get("exportedTo") == str(out) and done["step"] == 8, json.dumps(done)[:3000]
     succeeded = next(c for c in done["conditions"] if c["type"] == "Succeeded")
     assert succeeded["message"] == f"trained 8 steps; exported step 8 to {out}"
     saved = json.loads((tmp_path / "checkpoints" / "step-8" / "liveshard.json").read_text())

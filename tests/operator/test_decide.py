@@ -423,8 +423,6 @@ def test_the_last_step_is_checkpointed_and_exported(
         (pb.CheckpointSummary(number=1, step=100, path="/ck/step-100",
                               export_error="InvalidInput: --out /hf: exists"),
          "not exported to /hf: InvalidInput: --out /hf: exists", None),
-        (pb.CheckpointSummary(), "not exported to /hf: no checkpoint of the last step was saved",
-         None),
     ],
 )  # fmt: skip
 def test_a_finished_job_says_where_it_was_exported(
@@ -437,6 +435,31 @@ def test_a_finished_job_says_where_it_was_exported(
     status = decide(pods, Record(world=W3), the_job, NOW).status
     assert status["phase"] == "Succeeded" and status.get("exportedTo") == exported
     assert condition(status, "Succeeded")["message"] == f"trained 100 steps; {message}"
+
+
+def test_a_job_done_before_its_last_step_was_checkpointed_asks_for_it_then() -> None:
+    """Its members keep their state when done: once all are, they are asked for the last step's
+    checkpoint (once), and the job stays Running until it is exported; a member gone means no
+    export, and the job ends saying so."""
+    the_job = job(3, checkpoint={"path": "/ck", "everySteps": 40, "exportTo": "/hf"})
+    saved = checkpoint(2, 80, "/ck/step-80")
+    finished = [pod(m, done(1), role=M) for m in ("p0", "p1", "p2")]
+    for member in finished:
+        assert member.agent is not None
+        member.agent.last_checkpoint.CopyFrom(saved)
+    decision = decide(seen(*finished), Record(world=W3, checkpoint_asked=2), the_job, NOW)
+    assert decision.ask == Checkpoint(("p0", "p1", "p2"), 3, "/ck/step-100", 100, "/hf")
+    assert decision.status["phase"] == "Running" and decision.before == ()
+    assert condition(decision.status, "Ready")["message"] == "exporting step 100 to /hf"
+    asked = decide(seen(*finished), Record(world=W3, checkpoint_asked=3), the_job, NOW)
+    assert asked.ask is None and asked.status["phase"] == "Running"
+    last = pod("p2", training(1, step=99), role=M)
+    waiting = decide(seen(*finished[:2], last), Record(world=W3, checkpoint_asked=2), the_job, NOW)
+    assert waiting.ask is None and waiting.status["phase"] == "Running"
+    gone = decide(seen(*finished[:2]), Record(world=W3, checkpoint_asked=2), the_job, NOW)
+    assert gone.ask is None and gone.status["phase"] == "Succeeded"
+    message = condition(gone.status, "Succeeded")["message"]
+    assert message == "trained 100 steps; not exported to /hf: p2 is gone"
 
 
 def test_exporting_needs_a_checkpoint_path() -> None:

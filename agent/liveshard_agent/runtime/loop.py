@@ -136,6 +136,9 @@ def run_member(
                 report(switched)
         if member.done and not finished:
             member.abandon()
+            saved = member.at_end()
+            if saved is not None:
+                report(saved)
             report(Finished(member.name, member.step))
             finished = True
 
@@ -166,9 +169,11 @@ def _obey(member: Member, command: Command, stores: _Stores, report: Report) -> 
         elif isinstance(command, Drop):
             report(member.drop(command.epoch))
         elif isinstance(command, CheckpointAt):
-            member.request_checkpoint(
+            saved = member.request_checkpoint(
                 command.number, command.path, command.at_step, command.export_to
             )
+            if saved is not None:
+                report(saved)
     except LiveshardError as err:
         report(Refused(type(command).__name__, str(err)))
     except RuntimeError as err:  # torch's: a peer that never came, a broken connection

@@ -260,15 +260,32 @@ class Member:
 
     # ---- checkpoints ----
 
-    def request_checkpoint(self, number: int, path: str, at_step: int, export_to: str = "") -> None:
+    def request_checkpoint(
+        self, number: int, path: str, at_step: int, export_to: str = ""
+    ) -> Checkpointed | None:
         """Save checkpoint `number` to `path` at the first boundary at or after `at_step` at which
         every member of the world has asked for the same number (`export_to`: see
-        `Checkpointed`)."""
+        `Checkpointed`); at once if the world has trained the job's last step (`at_end`)."""
         if self.checkpoint_due is not None and self.checkpoint_due.number >= number:
             raise InvalidInput(
                 f"checkpoint {number}: checkpoint {self.checkpoint_due.number} is still due"
             )
+        if self.done and at_step > self.step:
+            raise InvalidInput(
+                f"checkpoint {number}: at_step={at_step} is past the job's last step {self.step}"
+            )
         self.checkpoint_due = _Checkpoint(number, path, at_step, export_to)
+        return self.at_end()
+
+    def at_end(self) -> Checkpointed | None:
+        """Once its world has trained the job's last step, no boundary is left to agree at: a
+        checkpoint due by then is saved at once. Every member of the world stands at that step
+        and does the same, when the job ends or when the request comes, and the save's own
+        rendezvous waits for them all."""
+        due = self.checkpoint_due
+        if not self.done or due is None or due.at_step > self.step:
+            return None
+        return self._checkpoint(due)
 
     def checkpoint(self, directory: str) -> float:
         """Save the job's state now (every member of the world calls this at the same

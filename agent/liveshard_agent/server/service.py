@@ -244,7 +244,7 @@ class AgentService:
         with self._lock:
             snapshot = self._serving()
             seen = snapshot.observed
-            if not seen.training or seen.done or seen.broken:
+            if not seen.training or seen.broken:
                 raise Refused(
                     f"this agent is {snapshot.phase.name}: only members of the world in effect "
                     "save a checkpoint"
