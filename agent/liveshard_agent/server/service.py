@@ -249,6 +249,11 @@ class AgentService:
                     f"this agent is {snapshot.phase.name}: only members of the world in effect "
                     "save a checkpoint"
                 )
+            if seen.done and at_step > seen.step:
+                raise InvalidInput(
+                    f"at_step={at_step} is past the job's last step ({seen.step}): a finished "
+                    "world saves only its last step"
+                )
             due = snapshot.checkpoint_due
             if due is not None and due == request.number:
                 if self.checkpoints.get(request.number) == request:

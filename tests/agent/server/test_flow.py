@@ -237,7 +237,14 @@ def test_a_one_member_job_trains_to_its_end(tmp_path: Path) -> None:
         assert err.code() == Code.FAILED_PRECONDITION
         status = solo.wait_for("the end", lambda s: s.phase == Phase.DONE)
         assert status.step == status.steps == 6 and status.samples == 6 * 4
-        err = solo.refused("Checkpoint", pb.CheckpointRequest(number=1, path=str(tmp_path)))
-        assert err.code() == Code.FAILED_PRECONDITION
+        # Done, it keeps its state: a checkpoint of the last step is saved (and exported) at once.
+        path, out = str(tmp_path / "last"), str(tmp_path / "hf")
+        late = pb.CheckpointRequest(number=1, path=path, at_step=7, export_to=out)
+        err = solo.refused("Checkpoint", late)
+        assert err.code() == Code.INVALID_ARGUMENT and "past the job's last step" in str(err)
+        solo.call("Checkpoint", pb.CheckpointRequest(number=1, path=path, at_step=6, export_to=out))
+        saved = solo.wait_for("the checkpoint", lambda s: s.last_checkpoint.number == 1)
+        assert saved.last_checkpoint.step == 6 and saved.last_checkpoint.exported_to == out
+        assert saved.phase == Phase.DONE and HfModel.load(out).has_weights
         solo.call("Release", pb.ReleaseRequest())
         assert solo.wait_exit() == 0
