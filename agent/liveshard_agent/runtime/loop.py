@@ -136,9 +136,13 @@ def run_member(
                 report(switched)
         if member.done and not finished:
             member.abandon()
-            saved = member.at_end()
-            if saved is not None:
-                report(saved)
+            try:
+                saved = member.at_end()
+            except RuntimeError as err:  # torch's: a member of the world never came to save
+                report(Refused(CheckpointAt.__name__, f"{type(err).__name__}: {err}"))
+            else:
+                if saved is not None:
+                    report(saved)
             report(Finished(member.name, member.step))
             finished = True
 
