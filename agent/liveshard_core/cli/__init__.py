@@ -2,7 +2,8 @@
 
 - `liveshard plan`: the transfer plan of a change, the member assignment, and a dry run;
 - `liveshard layout`: the layout to use for a number of members, its spares and why;
-- `liveshard rebalance`: a pipeline partition from measured layer costs, and packing.
+- `liveshard rebalance`: a pipeline partition from measured layer costs, and packing;
+- `liveshard timeline`: a job's story as a PNG, from `liveshard-local --json` lines.
 
 Bad arguments exit with status 2 and a one-line reason on stderr.
 """
@@ -16,6 +17,7 @@ import sys
 from . import layout as layout
 from . import plan as plan
 from . import rebalance as rebalance
+from . import timeline as timeline
 from .common import parse_bytes, print_human
 
 __all__ = ["main", "parse_bytes"]
@@ -24,14 +26,15 @@ __all__ = ["main", "parse_bytes"]
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="liveshard", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in (plan, layout, rebalance):
+    for module in (plan, layout, rebalance, timeline):
         module.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    run = {"plan": plan.run, "layout": layout.run, "rebalance": rebalance.run}[args.command]
+    commands = {"plan": plan, "layout": layout, "rebalance": rebalance, "timeline": timeline}
+    run = commands[args.command].run
     try:
         summary = run(args)
     except ValueError as err:
