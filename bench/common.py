@@ -1,14 +1,26 @@
-"""What the benchmarks share: the description of the machine a figure was measured on, and the
-JSON file a run writes. Each benchmark is a script run from the repository's root
-(`python bench/NAME.py`), so this module is found beside it."""
+"""What the benchmarks share: the description of the machine a figure was measured on, the best
+of repeated timings, and the JSON file a run writes. Each benchmark is a script run from the
+repository's root (`python bench/NAME.py`), so this module is found beside it."""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+
+def best(fn: Callable[[], Any], repeat: int) -> tuple[Any, float]:
+    """`fn`'s result and its fastest time, in seconds, of `repeat` calls."""
+    result, seconds = None, float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        result = fn()
+        seconds = min(seconds, time.perf_counter() - start)
+    return result, seconds
 
 
 def cpu_model() -> str:

@@ -24,11 +24,10 @@ import json
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common import machine, write_json
+from common import best, machine, write_json
 
 from liveshard_agent.data.builtin import builtin_model_dir
 from liveshard_agent.data.corpus import builtin_corpus
@@ -37,15 +36,6 @@ from liveshard_agent.data.prepare import load_tokenizer, prepare
 from liveshard_agent.data.tokens import TokenStream
 
 BATCH, SEQ_LEN = 24, 1024
-
-
-def best(fn: Callable[[], Any], repeat: int) -> tuple[Any, float]:
-    result, seconds = None, float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        result = fn()
-        seconds = min(seconds, time.perf_counter() - start)
-    return result, seconds
 
 
 def write_corpus(path: Path, megabytes: float) -> tuple[list[str], int]:

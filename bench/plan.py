@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
-from collections.abc import Callable
 from typing import Any
 
-from common import machine, write_json
+from common import best, machine, write_json
 
 from liveshard_core.assign.assign import Problem
 from liveshard_core.layout.layout import Layout, parse_degrees
@@ -45,15 +43,6 @@ LLAMA_SIZES = {
     "llama-7b": TransformerConfig("llama-7b", 32000, 4096, 32, 32, 32, 128, 11008),
     "llama-13b": TransformerConfig("llama-13b", 32000, 5120, 40, 40, 40, 128, 13824),
 }
-
-
-def best(fn: Callable[[], Any], repeat: int) -> tuple[Any, float]:
-    result, seconds = None, float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        result = fn()
-        seconds = min(seconds, time.perf_counter() - start)
-    return result, seconds
 
 
 def layouts(spec: ModelSpec, old_text: str, new_text: str) -> tuple[Layout, Layout]:
