@@ -12,21 +12,15 @@ from liveshard_operator.spec import JobSpec, parse_quantity
 
 from liveshard_core.errors import InvalidInput
 from liveshard_core.job import Deadlines, JobConfig
+from tests.operator.values import BODY
 
-JOB = {
-    "apiVersion": "liveshard.io/v1alpha1",
-    "kind": "ElasticTrainingJob",
-    "metadata": {"name": "tiny", "namespace": "ns", "uid": "u-1", "generation": 3},
-    "spec": {
-        "replicas": 4, "minReplicas": 1, "maxReplicas": 8,
-        "parallelism": {"zero": 1},
-        "model": {"preset": "tiny"},
-        "training": {"globalBatch": 24, "microBatch": 2, "seqLen": 64, "steps": 100},
-        "reconfiguration": {"memoryBudget": "64Mi"},
-        "template": {"metadata": {"labels": {"team": "a"}},
-                     "spec": {"containers": [{"name": "agent", "command": ["liveshard-agent"],
-                                              "env": [{"name": "X", "value": "1"}]}]}},
-    },
+# The tables' job, with the default deadlines and a template the rendering must keep.
+JOB = copy.deepcopy(BODY)
+JOB["spec"]["reconfiguration"] = {"memoryBudget": "64Mi"}
+JOB["spec"]["template"] = {
+    "metadata": {"labels": {"team": "a"}},
+    "spec": {"containers": [{"name": "agent", "command": ["liveshard-agent"],
+                             "env": [{"name": "X", "value": "1"}]}]},
 }  # fmt: skip
 
 
