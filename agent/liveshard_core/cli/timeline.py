@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidInput
+from ..layout.layout import parse_degrees
 
 _STEP_FIELDS = ("step", "loss", "layout", "step_seconds", "tokens")
 _BANDS = ("#e8eef7", "#f4ede2")
@@ -113,13 +114,11 @@ def _reconfiguration(event: dict[str, Any], where: str) -> Reconfiguration:
 
 def short_layout(layout: str) -> str:
     """`dp=2,tp=2,pp=1,ep=1,zero=1,pp_layers=2:2` as `dp=2 tp=2 zero=1 (4 members)`."""
-    degrees = dict(part.split("=", 1) for part in layout.split(",") if "=" in part)
-    shown = [f"{k}={v}" for k, v in degrees.items() if k in ("dp", "tp", "pp", "ep") and v != "1"]
-    shown.append(f"zero={degrees.get('zero', '0')}")
-    members = 1
-    for key in ("dp", "tp", "pp"):
-        members *= int(degrees.get(key, "1"))
-    return f"{' '.join(shown)} ({members} member{'s' if members != 1 else ''})"
+    d = parse_degrees(layout)
+    shown = [f"{k}={v}" for k, v in (("dp", d.dp), ("tp", d.tp), ("pp", d.pp), ("ep", d.ep))
+             if v != 1]  # fmt: skip
+    members = d.world_size
+    return f"{' '.join([*shown, f'zero={d.zero}'])} ({members} member{'s' if members != 1 else ''})"
 
 
 def bands(steps: list[Step]) -> list[tuple[int, int, str]]:
