@@ -12,7 +12,8 @@ from typing import Any
 TERMINAL = ("Succeeded", "Failed")
 
 
-def _stamp(now: float | None) -> str:
+def stamp(now: float | None) -> str:
+    """`now` (else the clock's time) as a Kubernetes timestamp."""
     moment = datetime.now(UTC) if now is None else datetime.fromtimestamp(now, UTC)
     return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -39,7 +40,7 @@ class Conditions:
         fresh = {
             "type": kind, "status": value, "reason": reason or "None", "message": message,
             "observedGeneration": self.generation,
-            "lastTransitionTime": _stamp(self.now) if current is None or current["status"] != value
+            "lastTransitionTime": stamp(self.now) if current is None or current["status"] != value
             else current["lastTransitionTime"],
         }  # fmt: skip
         if current is None:

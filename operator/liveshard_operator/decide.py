@@ -6,15 +6,18 @@ model and the time. It returns the actions to take and the record and status to 
 Each pass compares what the job asks for (its spec: the replica count, the constraints) with what
 is (the pods, what their agents say, the world and the reconfiguration in flight as recorded) and
 does one thing:
-- no world yet: create the pods, wait until their agents are ready (pre-warmed), choose a layout,
-  have a member host the store, and ask every member to start the first world;
+- no world yet: create the pods, wait until minReplicas agents are ready (pre-warmed) and no
+  other pod is about to be, choose a layout, have a member host the store, and ask every member
+  to start the first world;
 - a reconfiguration in flight: finish it when every new member trains in its epoch (release the
   members that left, delete their pods), or abort it everywhere when an agent reports an abort,
   a failed prepare, a pod vanishes or its deadline passes (then retry with backoff);
 - otherwise: replace leaving or lost members at once (a drained node, a deleted pod: the pod's
   grace period is the budget; a pod that ended without notice took its state along, and its
   bytes come from surviving copies), follow the replica count (new pods pre-warm as standby
-  first), and start a reconfiguration when the layout or the members must change;
+  first; the pods that land together join together; a pod the scheduler cannot place holds
+  nothing up and is reported missing), and start a reconfiguration when the layout or the
+  members must change;
 - a recovery from a lost member that aborted (no surviving copy of some state, or survivors that
   stopped in different states) cannot succeed by retrying: the job starts a new first world from
   its last saved checkpoint with the pods it has (its step goes back to the checkpoint's), or is
@@ -37,7 +40,7 @@ from .actions import Begin, Checkpoint, DeletePod, ReleaseMember
 from .decision import Decision, Draft
 from .inflight import progress
 from .observation import Job, Observation, Pod
-from .publish import Failure
+from .publish import Failure, Missing
 from .world import InFlight, Record, World
 
 _RESTARTABLE = (pb.AgentStatus.STANDBY, pb.AgentStatus.BROKEN)  # may join a restored first world
@@ -47,6 +50,8 @@ _NO_STORE = ("", 0)  # a plan's store until its host answers
 def decide(seen: Observation, record: Record, job: Job, now: float) -> Decision:
     """The next idempotent step of `job` (see the module's docstring)."""
     draft = Draft(seen, record, job, now)
+    in_world = set(record.in_flight.union() if record.in_flight else ())
+    _note_missing(draft, in_world | set(record.world.members if record.world else ()))
     if record.in_flight is not None:
         progress(draft, record.in_flight)
     elif record.world is None:
@@ -76,23 +81,29 @@ def _done_agent(agent: pb.AgentStatus | None) -> bool:
 
 def _start(draft: Draft) -> None:
     spec = draft.job.spec
-    wanted = spec.replicas
+    wanted, least = spec.replicas, max(spec.min_replicas, 1)
     draft.keep_pods(wanted, set())
     ready = [p for p in draft.seen.live() if p.standing_by]
-    if wanted == 0 or len(ready) < wanted:
-        draft.message = f"waiting for {wanted} ready pods ({len(ready)} ready)"
+    landing = _landing(draft, set())
+    if wanted == 0 or len(ready) < least or (landing and len(ready) < wanted):
+        pre_warming = f", {len(landing)} pre-warming" if landing else ""
+        draft.message = (
+            f"waiting for ready pods: {len(ready)} of {wanted} ready{pre_warming} "
+            f"({least} to start)"
+        )
         return
     if _backing_off(draft):
         return
     try:
-        choice = policy.choose(draft.job.model, spec, len(ready))
+        choice = policy.choose(draft.job.model, spec, min(wanted, len(ready)))
     except InvalidInput as err:
         draft.message = str(err)
         return
     members = [p.name for p in ready[: choice.used]]
     layout = choice.degrees.layout(draft.job.model, members)
     restore = spec.restore_from
-    reason = f"start with {choice.why}" + (f", from {restore}" if restore else "")
+    short = f"{len(ready)} of {wanted} pods: " if len(ready) < wanted else ""
+    reason = f"start with {short}{choice.why}" + (f", from {restore}" if restore else "")
     _begin(draft, InFlight(
         epoch=_next_epoch(draft), reason=reason, new=World.of(0, layout), store=_NO_STORE,
         started=draft.now, restore=restore,
@@ -115,7 +126,7 @@ def _steady(draft: Draft, world: World) -> None:
     leaving = [m for m in members if m in pods and pods[m].leaving and m not in lost]
     stayers = [m for m in members if m not in lost and m not in leaving]
     standby = [p for p in draft.seen.live() if p.standing_by and p.name not in members]
-    starting = [p for p in draft.seen.live() if not p.ready and p.name not in members]
+    landing = _landing(draft, set(members))
     wanted = spec.replicas
     draft.keep_pods(wanted, set(members))
     draft.label(set(members))
@@ -125,10 +136,10 @@ def _steady(draft: Draft, world: World) -> None:
     urgent = lost or leaving
     candidates = stayers + [p.name for p in standby]
     target = min(wanted, len(candidates))
-    draft.spares = [p.name for p in standby]
-    if not urgent and starting and len(candidates) < wanted:
-        draft.message = f"pre-warming {len(starting)} pod(s)"
+    if not urgent and landing and len(candidates) < wanted:
+        draft.message = f"pre-warming {len(landing)} pod(s)"  # the standby pods wait with them
         return
+    draft.spares = [p.name for p in standby]
     if target == 0:
         draft.message = "no member can be kept: every member is leaving or lost"
         return
@@ -140,7 +151,7 @@ def _steady(draft: Draft, world: World) -> None:
     old = world.layout(model)
     joiners = [p.name for p in standby]
     new_members = policy.assign(model, old, choice.degrees, stayers, joiners)
-    draft.spares = [m for m in candidates if m not in new_members]
+    draft.spares = [p.name for p in standby if p.name not in new_members]
     if choice.degrees.layout(model, new_members) == old:
         if len(candidates) > choice.used:
             draft.message = (
@@ -163,6 +174,42 @@ def _steady(draft: Draft, world: World) -> None:
         epoch=_next_epoch(draft), reason="; ".join(reasons) or "new layout",
         new=World.of(0, layout), store=_NO_STORE, started=draft.now, old=world, lost=tuple(lost),
     ))  # fmt: skip
+
+
+# ---- capacity as it lands ----
+
+
+def _landing(draft: Draft, members: set[str]) -> list[Pod]:
+    """Pods outside `members` about to be ready: placed by the scheduler (or not judged yet) and
+    not ready for less than spec.scheduling.pendingTimeoutSeconds. A start or a growth waits for
+    them, so that pods landing together join in one reconfiguration; a pod the scheduler cannot
+    place holds nothing up."""
+    timeout = draft.job.spec.pending_timeout
+    return [p for p in draft.seen.live() if p.name not in members and not p.ready
+            and not p.unschedulable and draft.now - p.since < timeout]  # fmt: skip
+
+
+def _note_missing(draft: Draft, members: set[str]) -> None:
+    """Report the pods outside `members` that the job goes on without (the Degraded condition):
+    those the scheduler cannot place, with its reason, and those not ready in time."""
+    awaited = {p.name for p in _landing(draft, members)}
+    missing = [p for p in draft.seen.live()
+               if p.name not in members and not p.ready and p.name not in awaited]  # fmt: skip
+    if not missing:
+        return
+
+    def why(pod: Pod) -> str:
+        if pod.unschedulable:
+            return f"{pod.name} cannot be scheduled: {pod.unschedulable}"
+        late = f"{draft.now - pod.since:.0f} s"
+        return f"{pod.name} not ready {late} after it was scheduled: {pod.error or 'starting'}"
+
+    verdicts = [p.unschedulable.split(":")[0] for p in missing if p.unschedulable]
+    message = f"{len(missing)} of {draft.job.spec.replicas} pods missing, going on without them"
+    draft.missing = Missing(
+        verdicts[0] if verdicts else "PendingTimeout",
+        "; ".join([message, *(why(p) for p in missing[:3])]),
+    )
 
 
 def _silent(draft: Draft, members: list[str]) -> list[str]:

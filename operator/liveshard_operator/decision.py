@@ -33,7 +33,7 @@ from .actions import (
     ReleaseMember,
 )
 from .observation import Job, Observation, trains_in
-from .publish import Failure, Report, Summary
+from .publish import Failure, Missing, Report, Summary
 from .world import InFlight, Record
 
 
@@ -80,13 +80,14 @@ class Draft:
     failure: Failure | None = None
     finished: bool = False
     exported: str = ""
+    missing: Missing | None = None
     before: list[Action] = field(default_factory=list)
     after: list[Action] = field(default_factory=list)
     ask: Ask | None = None
 
     def decision(self) -> Decision:
         report = Report(self.message, tuple(self.spares), self.last, self.failure,
-                        self.finished, self.exported)  # fmt: skip
+                        self.finished, self.exported, self.missing)  # fmt: skip
         return Decision(self.job, self.seen, self.now, self.record, report,
                         tuple(self.before), tuple(self.after), self.ask)  # fmt: skip
 

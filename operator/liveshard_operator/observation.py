@@ -1,6 +1,9 @@
 """What one reconcile pass sees, as values: the job as read (its spec parsed), its pods, whether
 each is leaving or gone, and what each pod's agent said.
 
+A pod the scheduler could not place carries the scheduler's verdict (`unschedulable`); a pod's
+`since` is when it was scheduled (else created): how long it has had to become ready.
+
 A pod is *leaving* when it is being deleted, has a `DisruptionTarget` condition, or sits on a
 node that is cordoned or tainted `NoExecute`: its state must move out now. A pod is *gone* when
 it has ended (a worker never restarts in place: its state is lost with its process).
@@ -11,6 +14,7 @@ Pure: the reads themselves (the API server, the agents) are `observe`'s.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from liveshard.v1 import agent_pb2 as pb
@@ -58,6 +62,8 @@ class Pod:
     created: str
     agent: pb.AgentStatus | None  # None: not answering (yet)
     error: str = ""
+    since: float = 0.0  # when it was scheduled, else created (seconds since the epoch)
+    unschedulable: str = ""  # the scheduler's "reason: message" when it could not place it
 
     @property
     def ready(self) -> bool:
@@ -99,14 +105,33 @@ def leaving(pod: dict[str, Any], leaving_nodes: set[str]) -> bool:
     return (pod.get("spec") or {}).get("nodeName") in leaving_nodes
 
 
+def _seconds(stamp: str) -> float:
+    return datetime.fromisoformat(stamp).timestamp() if stamp else 0.0
+
+
+def _scheduling(pod: dict[str, Any]) -> tuple[float, str]:
+    """(since, unschedulable) of a pod: see the module's docstring."""
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    scheduled: dict[str, Any] = next((c for c in conditions if c.get("type") == "PodScheduled"), {})
+    created = _seconds(pod["metadata"].get("creationTimestamp", ""))
+    if scheduled.get("status") == "True":
+        return _seconds(scheduled.get("lastTransitionTime", "")) or created, ""
+    if scheduled.get("status") == "False":
+        verdict = f"{scheduled.get('reason', 'Unschedulable')}: {scheduled.get('message', '')}"
+        return created, verdict.strip().rstrip(":")
+    return created, ""
+
+
 def pod_of(
     pod: dict[str, Any], leaving_nodes: set[str], agent: pb.AgentStatus | None, error: str = ""
 ) -> Pod:
     """A pod as the API server returned it, with what its agent said (or why it said nothing)."""
     meta, status = pod["metadata"], pod.get("status") or {}
+    since, unschedulable = _scheduling(pod)
     return Pod(
         name=meta["name"], ip=status.get("podIP"),
         role=(meta.get("labels") or {}).get(ROLE_LABEL, ""),
         leaving=leaving(pod, leaving_nodes), gone=gone(pod),
-        created=meta.get("creationTimestamp", ""), agent=agent, error=error,
+        created=meta.get("creationTimestamp", ""), agent=agent, error=error, since=since,
+        unschedulable=unschedulable,
     )  # fmt: skip

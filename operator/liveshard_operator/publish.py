@@ -14,9 +14,11 @@ from typing import Any
 from liveshard_core.job import Result
 
 from . import render
-from .conditions import Conditions
+from .conditions import Conditions, stamp
 from .observation import Job, Observation, trains_in
 from .world import InFlight, Record
+
+HISTORY = 20  # reconfigurations kept in status.history, the latest last
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,15 @@ class Failure:
 
 
 @dataclass(frozen=True)
+class Missing:
+    """Pods the job goes on without: none of them can be scheduled or become ready in time
+    (the Degraded condition's reason and message)."""
+
+    reason: str  # the scheduler's (Unschedulable, ...), or PendingTimeout
+    message: str
+
+
+@dataclass(frozen=True)
 class Report:
     """What a pass concluded that the status tells beyond the record."""
 
@@ -63,6 +74,7 @@ class Report:
     failure: Failure | None = None
     finished: bool = False  # the job trained its last step
     exported: str = ""  # the Hugging Face directory its last step was exported to
+    missing: Missing | None = None
 
 
 def status(
@@ -88,6 +100,7 @@ def status(
     out["spares"] = list(report.spares)
     if report.last is not None:
         out["lastReconfiguration"] = report.last.to_dict()
+        out["history"] = _history(job, out, now)
     message = report.message
     if report.failure is not None:
         phase = "Failed"
@@ -109,12 +122,25 @@ def status(
               f"epoch {plan.epoch}: {plan.reason}" if plan else "")  # fmt: skip
     if report.last is not None and report.last.result is Result.ABORTED:
         conds.set("Degraded", True, "ReconfigurationAborted", report.last.message)
+    elif report.missing is not None:
+        conds.set("Degraded", True, report.missing.reason, report.missing.message)
     elif report.spares:
         conds.set("Degraded", True, "HotSpares", message)
     else:
         conds.set("Degraded", False, "AsPlanned", message)
     out.update(phase=phase, conditions=conds.items, reconfiguration=record.to_dict())
     return out
+
+
+def _history(job: Job, out: dict[str, Any], now: float) -> list[dict[str, Any]]:
+    """status.history with the reconfiguration this pass ended appended (once), at most
+    HISTORY entries."""
+    entry = {**out["lastReconfiguration"], "step": out.get("step", 0), "time": stamp(now)}
+    history = list(job.status.get("history") or [])
+    key = ("epoch", "result")
+    if history and all(history[-1].get(k) == entry[k] for k in key):
+        return history
+    return [*history, entry][-HISTORY:]
 
 
 def invalid_spec(body: dict[str, Any], error: str, now: float) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from liveshard_core.job.settings import camel
 from liveshard_core.layout.layout import Degrees
 from liveshard_core.vps.spec import ModelSpec
 
+PENDING_TIMEOUT = 600  # spec.scheduling.pendingTimeoutSeconds's default
 _UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9}
 # spec.reconfiguration's deadline fields, by the Deadlines field they set.
 DEADLINE_FIELDS = {
@@ -70,6 +71,7 @@ class JobSpec:
     export_to: str | None  # a Hugging Face directory the last step's checkpoint is written as
     restore_from: str
     port: int
+    pending_timeout: float  # seconds a scheduled pod that is not ready may hold the job up
     template: dict[str, Any] = field(repr=False)
 
     @classmethod
@@ -118,6 +120,9 @@ class JobSpec:
             export_to=ckpt.get("exportTo"),
             restore_from=str(ckpt.get("restoreFrom") or ""),
             port=int(spec.get("port", DEFAULT_PORT)),
+            pending_timeout=float(
+                (spec.get("scheduling") or {}).get("pendingTimeoutSeconds", PENDING_TIMEOUT)
+            ),
             template=template,
         )
         job._check_fixed_degrees()

@@ -202,6 +202,43 @@ def test_drain_moves_a_worker_out_before_it_is_killed(operator: Kube) -> None:
     steps.wait(training(3), "back to 3 members", STARTUP)
 
 
+def test_a_job_starts_with_the_pods_that_land_and_grows_as_more_do(operator: Kube) -> None:
+    kube = operator
+    nodes = sorted(n["metadata"]["name"] for n in kube.get("/api/v1/nodes")["items"])  # type: ignore[index]
+    body = job(4, minReplicas=2)
+    # A worker asks for 3.5 of a node's 8 CPUs: two fit a node. With one node open, 2 of 4 land.
+    body["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]["cpu"] = "3500m"
+    closed = nodes[1:]
+    kube.run("kubectl", "cordon", *closed)
+    try:
+        kube.apply(body)
+        steps = Steps(kube)
+
+        def short(s: dict[str, Any]) -> bool:
+            degraded = next((c for c in s.get("conditions", []) if c["type"] == "Degraded"), {})
+            return training(2)(s) and s.get("step", 0) >= 2 and degraded.get("status") == "True"
+
+        first = steps.wait(short, "training with the 2 pods that landed", STARTUP)
+        degraded = next(c for c in first["conditions"] if c["type"] == "Degraded")
+        assert degraded["reason"] == "Unschedulable", degraded
+        assert degraded["message"].startswith("2 of 4 pods missing, going on without them")
+        assert "cannot be scheduled" in degraded["message"], degraded
+        assert first["lastReconfiguration"]["reason"].startswith("start with 2 of 4 pods")
+
+        kube.run("kubectl", "uncordon", closed[0])
+        # Both pods land on the node opened: they pre-warm and join in one reconfiguration.
+        grown = steps.wait(training(4, first["epoch"] + 1), "grown to 4", STARTUP)
+        last = grown["lastReconfiguration"]
+        assert last["result"] == "committed" and last["reason"] == "scale 2 -> 4", last
+        assert last["from"].startswith("dp=2") and last["to"].startswith("dp=4"), last
+        assert set(first["members"]) < set(grown["members"])
+        degraded = next(c for c in grown["conditions"] if c["type"] == "Degraded")
+        assert degraded["status"] == "False", degraded
+        steps.wait(lambda s: s.get("step", 0) > grown["step"], "training on with 4")
+    finally:
+        kube.run("kubectl", "uncordon", *closed, check=False)
+
+
 def test_a_worker_killed_without_notice_is_recovered_from_its_replicas(operator: Kube) -> None:
     kube = operator
     # Without ZeRO every data-parallel replica holds the whole state: the dead one's is in memory.

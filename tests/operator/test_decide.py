@@ -26,6 +26,7 @@ from liveshard_operator.decide import decide
 from liveshard_operator.decision import Decision, checkpointed, hosted, not_hosted
 from liveshard_operator.inflight import backoff
 from liveshard_operator.observation import Job, Observation
+from liveshard_operator.publish import HISTORY
 from liveshard_operator.world import InFlight, Record
 
 from liveshard.v1 import agent_pb2 as pb
@@ -98,6 +99,7 @@ SHRINK = InFlight(epoch=2, reason="scale 3 -> 2", new=world(J2, ["p0", "p1"], 2)
 # In flight: a recovery from the loss of p2, epoch 2.
 RECOVERY = replace(SHRINK, reason="lost p2", lost=("p2",))
 NO_COPY = pb.SwitchSummary.NO_SURVIVING_COPY
+UNSCHEDULABLE = "Unschedulable: 0/3 nodes are available: 3 node(s) were unschedulable."
 # p0's and p1's world broke; p2 answers nothing.
 P2_SILENT = seen(
     pod("p0", broken(1), role=M), pod("p1", broken(1), role=M), pod("p2", None, role=M)
@@ -114,6 +116,7 @@ class Case:
     after: list[str] = field(default_factory=list)
     ask: str | None = None  # "begin <epoch> on <host>: <members> <reason>" or "checkpoint ..."
     message: str = ""  # a fragment of the Ready condition's message
+    degraded: str = ""  # the Degraded condition's reason, when it is true
     changed: dict[str, Any] = field(default_factory=dict)  # the record's fields that change
 
 
@@ -132,7 +135,33 @@ def asked(decision: Decision) -> str | None:
 CASES: dict[str, Case] = {
     "no world, too few ready pods: create the rest and wait": Case(
         J4, seen(pod("p0", standby()), pod("p1", starting())), Record(), "Pending",
-        after=["create", "create"], message="waiting for 4 ready pods (1 ready)",
+        after=["create", "create"],
+        message="waiting for ready pods: 1 of 4 ready, 1 pre-warming (1 to start)",
+    ),
+    "no world, minReplicas ready, the rest unschedulable: start with what is there": Case(
+        job(4, minReplicas=2),
+        seen(pod("p0", standby()), pod("p1", standby()),
+             *(pod(f"p{i}", None, unschedulable=UNSCHEDULABLE) for i in (2, 3))),
+        Record(), "Pending", ask="begin 0 on p0: p0,p1 start with 2 of 4 pods: ",
+        degraded="Unschedulable",
+    ),
+    "no world, fewer than minReplicas ready: wait, saying why the rest are missing": Case(
+        job(4, minReplicas=2),
+        seen(pod("p0", standby()), *(pod(f"p{i}", None, unschedulable=UNSCHEDULABLE)
+                                     for i in (1, 2, 3))),
+        Record(), "Pending", message="1 of 4 ready (2 to start)", degraded="Unschedulable",
+    ),
+    "no world, minReplicas ready, the rest pre-warming: wait to start with all": Case(
+        job(4, minReplicas=2),
+        seen(pod("p0", standby()), pod("p1", standby()), pod("p2", starting()),
+             pod("p3", None)),
+        Record(), "Pending", message="2 of 4 ready, 2 pre-warming",
+    ),
+    "no world, a pod scheduled past the pending timeout: start without it": Case(
+        job(4, minReplicas=2, scheduling={"pendingTimeoutSeconds": 60}),
+        seen(*(pod(f"p{i}", standby()) for i in range(3)), pod("p3", starting(), since=NOW - 61)),
+        Record(), "Pending", ask="begin 0 on p0: p0,p1,p2 start with 3 of 4 pods: ",
+        degraded="PendingTimeout",
     ),
     "enough ready pods: the first world, hosted on its first member": Case(
         J4, seen(*(pod(f"p{i}", standby()) for i in range(4))), Record(), "Pending",
@@ -167,6 +196,21 @@ CASES: dict[str, Case] = {
         J3, seen(*TRAINING3[:2], pod("p2", starting())), Record(world=W2), "Running",
         after=["label p2 standby"], message="pre-warming 1 pod(s)",
     ),
+    "scale up: a pod the scheduler cannot place holds up no growth": Case(
+        J4, seen(*TRAINING3[:2], pod("p2", standby(), role=S),
+                 pod("p3", None, role=S, unschedulable=UNSCHEDULABLE)),
+        Record(world=W2), "Running", ask="begin 2 on p0: p0,p2,p1 from epoch 1 scale 2 -> 3",
+        degraded="Unschedulable",
+    ),
+    "scale up: pods that land together join together": Case(
+        J4, seen(*TRAINING3[:2], pod("p2", standby(), role=S), pod("p3", starting())),
+        Record(world=W2), "Running", after=["label p3 standby"], message="pre-warming 1 pod(s)",
+    ),
+    "a pod short and nothing to change: train on, saying why": Case(
+        J4, seen(*TRAINING3, pod("p3", None, unschedulable=UNSCHEDULABLE)), Record(world=W3),
+        "Running", after=["label p3 standby"], message="3 members training",
+        degraded="Unschedulable",
+    ),
     "scale up: backing off after an abort": Case(
         J3, seen(*TRAINING3[:2], pod("p2", standby(), role=S)),
         Record(world=W2, last_epoch=1, attempts=1, retry_after=NOW + 3), "Running",
@@ -179,6 +223,7 @@ CASES: dict[str, Case] = {
         J5, seen(*(pod(f"p{i}", training(1), role=M) for i in range(4)), pod("p4", standby())),
         Record(world=W4), "Running", after=["label p4 standby"],
         message="1 pod(s) stand by as hot spares: no layout of tiny uses 5 members",
+        degraded="HotSpares",
     ),
     "nothing to do": Case(
         J3, seen(*TRAINING3), Record(world=W3), "Running", message="3 members training",
@@ -238,6 +283,7 @@ CASES: dict[str, Case] = {
         Record(world=W2, in_flight=GROW, last_epoch=2), "Running",
         before=["abort p1 2"], after=["Warning ReconfigurationAborted"],
         changed={"in_flight": None, "attempts": 1, "retry_after": NOW + backoff(1)},
+        degraded="ReconfigurationAborted",
     ),
     "in flight: a member failed to prepare": Case(
         J3, seen(pod("p0", training(1, pending=pending(2)), role=M),
@@ -246,6 +292,7 @@ CASES: dict[str, Case] = {
         Record(world=W2, in_flight=GROW, last_epoch=2, attempts=1), "Running",
         before=["abort p0 2", "abort p1 2", "abort p2 2"], after=["Warning ReconfigurationAborted"],
         changed={"in_flight": None, "attempts": 2, "retry_after": NOW + backoff(2)},
+        degraded="ReconfigurationAborted",
     ),
     "in flight: a member vanished": Case(
         J3, seen(pod("p0", training(1, pending=pending(2)), role=M),
@@ -253,6 +300,7 @@ CASES: dict[str, Case] = {
         Record(world=W2, in_flight=GROW, last_epoch=2), "Running",
         before=["abort p0 2", "abort p1 2"], after=["Warning ReconfigurationAborted"],
         changed={"in_flight": None, "attempts": 1, "retry_after": NOW + backoff(1)},
+        degraded="ReconfigurationAborted",
     ),
     "in flight: overdue (every deadline and a minute passed)": Case(
         J3, seen(pod("p0", training(1, pending=pending(2)), role=M),
@@ -262,6 +310,7 @@ CASES: dict[str, Case] = {
         "Running", before=["abort p0 2", "abort p1 2", "abort p2 2"],
         after=["Warning ReconfigurationAborted"],
         changed={"in_flight": None, "attempts": 1, "retry_after": NOW + backoff(1)},
+        degraded="ReconfigurationAborted",
     ),
     "in flight: some members committed, some aborted: Failed": Case(
         J3, seen(pod("p0", training(2), role=M),
@@ -277,6 +326,7 @@ CASES: dict[str, Case] = {
         before=["abort p1 2"], after=["Warning ReconfigurationAborted"],
         changed={"in_flight": None, "attempts": 1, "retry_after": NOW + backoff(1),
                  "restore": "the recovery from the loss of p2 aborted by p0: no surviving copy"},
+        degraded="ReconfigurationAborted",
     ),
     "in flight: a recovery that may succeed on retry owes no restore": Case(
         J2, seen(pod("p0", broken(1, last_switch=switch(2, ABORTED, pb.SwitchSummary.PEER_FAILED))),
@@ -284,6 +334,7 @@ CASES: dict[str, Case] = {
         Record(world=W3, in_flight=RECOVERY, last_epoch=2), "Running",
         after=["Warning ReconfigurationAborted"],
         changed={"in_flight": None, "attempts": 1, "retry_after": NOW + backoff(1)},
+        degraded="ReconfigurationAborted",
     ),
     # ---- a restore owed ----
     "a restore owed: a new first world from the last checkpoint": Case(
@@ -312,6 +363,8 @@ def test_decide(case: Case) -> None:
     status = decision.status
     assert status["phase"] == case.phase
     assert case.message in condition(status, "Ready")["message"]
+    degraded = condition(status, "Degraded")
+    assert (degraded["reason"] if degraded["status"] == "True" else "") == case.degraded
     assert status["reconfiguration"] == decision.record.to_dict()
 
 
@@ -545,3 +598,24 @@ def test_the_record_round_trips_and_clears_what_it_no_longer_holds() -> None:
     cleared = Record(world=W3).to_dict()
     # A merge patch: None removes what the stored record had.
     assert (cleared["inFlight"], cleared["restore"], cleared["silent"]) == (None, None, None)
+
+
+def test_each_reconfiguration_ended_is_kept_in_a_bounded_history() -> None:
+    case = CASES["in flight: every new member trains in its epoch, commit"]
+    entry = decide(case.seen, case.record, case.job, NOW).status["history"]
+    assert entry == [{
+        "epoch": 2, "reason": "scale 2 -> 3", "from": W2.describe(), "to": GROW.new.describe(),
+        "pauseSeconds": 0.5, "bytesMoved": 1000, "result": "committed",
+        "message": "epoch 2: committed",
+        "step": 10, "time": "1970-01-12T13:46:40Z",
+    }]  # fmt: skip
+    # A pass that ends the same reconfiguration again (its status write lost) adds nothing.
+    body = {**case.job.body, "status": {"history": entry}}
+    again = decide(case.seen, case.record, replace(case.job, body=body), NOW).status
+    assert again["history"] == entry
+    # The oldest entries go once there are HISTORY of them.
+    full = [{**entry[0], "epoch": e} for e in range(-HISTORY, 0)]
+    body = {**case.job.body, "status": {"history": full}}
+    history = decide(case.seen, case.record, replace(case.job, body=body), NOW).status["history"]
+    assert len(history) == HISTORY and history[0]["epoch"] == -HISTORY + 1
+    assert history[-1] == entry[0]

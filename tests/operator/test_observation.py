@@ -53,3 +53,26 @@ def test_nodes_that_send_their_pods_away() -> None:
 def test_a_pod_whose_agent_does_not_answer_is_not_ready() -> None:
     pod = pod_of(raw(), set(), None, "agent p0: UNAVAILABLE")
     assert not pod.ready and not pod.standing_by and pod.error == "agent p0: UNAVAILABLE"
+
+
+CREATED = 1704067200.0  # raw()'s creationTimestamp
+
+
+@pytest.mark.parametrize(
+    ("conditions", "since", "unschedulable"),
+    [
+        ([], CREATED, ""),  # not judged by the scheduler yet
+        ([{"type": "PodScheduled", "status": "True", "lastTransitionTime": "2024-01-01T00:01:40Z"}],
+         CREATED + 100, ""),
+        ([{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+           "message": "0/3 nodes are available: 3 Insufficient cpu."}],
+         CREATED, "Unschedulable: 0/3 nodes are available: 3 Insufficient cpu."),
+        ([{"type": "PodScheduled", "status": "False", "reason": "SchedulingGated"}],
+         CREATED, "SchedulingGated"),
+    ],
+)  # fmt: skip
+def test_what_the_scheduler_said(
+    conditions: list[dict[str, Any]], since: float, unschedulable: str
+) -> None:
+    pod = pod_of(raw(status__conditions=conditions), set(), None)
+    assert (pod.since, pod.unschedulable) == (since, unschedulable)

@@ -88,12 +88,16 @@ def pod(
     gone: bool = False,
     created: str = "",
     error: str = "",
+    since: float = NOW - 1,
+    unschedulable: str = "",
 ) -> Pod:
-    """A pod; pods are created in name order unless `created` says otherwise."""
+    """A pod; pods are created in name order unless `created` says otherwise, and scheduled a
+    second before the pass unless `since` or `unschedulable` says otherwise."""
     return Pod(
         name=name, ip=None if gone else f"10.0.0.{name[-1]}", role=role, leaving=leaving,
         gone=gone, created=created or f"2024-01-01T00:00:0{name[-1]}Z", agent=agent,
         error=error or ("" if agent is not None else f"agent {name}: UNAVAILABLE"),
+        since=since, unschedulable=unschedulable,
     )  # fmt: skip
 
 
