@@ -82,7 +82,8 @@ class Inbox(Protocol):
 
 
 class _Stores:
-    """Store clients by address, connected once each."""
+    """The store client of the latest address asked for, connected once (a replayed command
+    reuses it); an older one is dropped here, kept only by the member or world still using it."""
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
@@ -90,9 +91,10 @@ class _Stores:
 
     def __call__(self, address: StoreAddress) -> Store:
         if address not in self.clients:
-            self.clients[address] = TCPStore(
+            client = TCPStore(
                 address.host, address.port, None, False, timedelta(seconds=self.timeout)
             )
+            self.clients = {address: client}
         return self.clients[address]
 
 

@@ -70,7 +70,7 @@ class AgentService:
         self.layouts = layouts  # the layout each accepted epoch leads to (shared with reporting)
         self.use_deadlines = use_deadlines  # runs on the loop's thread as a Prepare is taken
         self.host_store = host_store
-        self.stores: dict[int, Store] = {}  # kept alive as long as the agent runs
+        self.stores: dict[int, Store] = {}  # by epoch: the one in effect and the newest asked
         self.accepted: dict[int, pb.PrepareRequest] = {}  # every epoch this agent was asked for
         self.checkpoints: dict[int, pb.CheckpointRequest] = {}
         self.drops: dict[int, Ticket] = {}
@@ -118,6 +118,8 @@ class AgentService:
                         f"epoch {epoch} would lose it when it goes)"
                     )
                 _after_in_effect(epoch, snapshot)
+                pending = snapshot.pending
+                self._drop_stores(snapshot.observed.epoch, pending.epoch if pending else None)
                 try:
                     store = self.host_store(StoreAddress(self.pod_ip, 0), self.job.deadlines.op)
                 except RuntimeError as err:  # torch's: no free port, the address is gone
@@ -127,6 +129,14 @@ class AgentService:
                               store.port)  # fmt: skip
             port = self.stores[epoch].port
         return pb.HostStoreResponse(address=pb.StoreAddress(host=self.pod_ip, port=port))
+
+    def _drop_stores(self, *keep: int | None) -> None:
+        """Free every hosted store but those of the epochs in `keep` (the one in effect here and
+        the one pending): the stores of past and aborted epochs serve nobody, and a store frees
+        its socket and thread once dropped."""
+        for epoch in [e for e in self.stores if e not in keep]:
+            del self.stores[epoch]
+            self.log.info("freed the store of epoch %s", epoch)
 
     # ---- reconfigurations ----
 

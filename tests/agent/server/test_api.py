@@ -205,6 +205,18 @@ def test_other_calls_check_their_fields_and_the_agents_state(agent: Agent) -> No
     standing_by(agent)
 
 
+def test_stores_of_epochs_no_one_will_use_are_freed(agent: Agent) -> None:
+    """The shared agent process (1): a store hosted for each of 50 epochs that never came
+    leaves the process with the descriptors of one, not 50 (about 9 each when kept)."""
+    fds = Path(f"/proc/{agent.proc.pid}/fd")
+    agent.call("HostStore", pb.HostStoreRequest(epoch=1000))
+    before = len(list(fds.iterdir()))
+    for epoch in range(1001, 1051):
+        assert agent.call("HostStore", pb.HostStoreRequest(epoch=epoch)).address.port > 0
+    assert len(list(fds.iterdir())) <= before + 10, sorted(p.name for p in fds.iterdir())
+    standing_by(agent)
+
+
 def test_a_prepare_is_checked_against_the_model_from_the_configuration(
     tmp_path: Path, agent: Agent
 ) -> None:
