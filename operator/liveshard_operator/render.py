@@ -14,6 +14,8 @@ import math
 import secrets
 from typing import Any
 
+from liveshard_core.job import DEFAULT_METRICS_PORT
+
 from .spec import JobSpec
 
 GROUP = "liveshard.io"
@@ -83,8 +85,9 @@ def worker_pod(job: dict[str, Any], spec: JobSpec) -> dict[str, Any]:
     agent.setdefault("command", ["liveshard-agent"])
     agent["env"] = [*(agent.get("env") or []), *_agent_env(name, spec), *_threads(agent)]
     ports = agent.setdefault("ports", [])
-    if not any(p.get("containerPort") == spec.port for p in ports):
-        ports.append({"name": "agent", "containerPort": spec.port})
+    for port_name, number in (("agent", spec.port), ("metrics", DEFAULT_METRICS_PORT)):
+        if not any(p.get("containerPort") == number for p in ports):
+            ports.append({"name": port_name, "containerPort": number})
     agent.setdefault(
         "readinessProbe",
         {"tcpSocket": {"port": spec.port}, "periodSeconds": 2, "failureThreshold": 3},

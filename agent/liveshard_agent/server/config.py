@@ -5,6 +5,7 @@ token: a secret on the command line is visible to every process on the node).
     LIVESHARD_MEMBER   this agent's member name (the pod's name)
     LIVESHARD_POD_IP   the address it serves on and hosts stores on (the pod's IP)
     LIVESHARD_PORT     the API's port (default 7070)
+    LIVESHARD_METRICS_PORT  the port of its Prometheus metrics (default 9400; 0: none)
     LIVESHARD_TOKEN    the job's token; every call must carry it
     LIVESHARD_CONFIG   JSON: what the job trains and how it switches (`JobConfig.from_json`)
 
@@ -21,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from liveshard_core.errors import InvalidInput
-from liveshard_core.job import DEFAULT_PORT, JobConfig
+from liveshard_core.job import DEFAULT_METRICS_PORT, DEFAULT_PORT, JobConfig
 
 
 class ConfigError(InvalidInput):
@@ -36,6 +37,7 @@ class AgentConfig:
     port: int
     token: str = field(repr=False)
     job_config: JobConfig
+    metrics_port: int = DEFAULT_METRICS_PORT  # 0: no metrics
 
     @property
     def address(self) -> str:
@@ -57,6 +59,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--pod-ip", help="the address to serve on (LIVESHARD_POD_IP)")
     parser.add_argument("--port", help=f"the API's port (LIVESHARD_PORT, {DEFAULT_PORT})")
     parser.add_argument("--config", help="the job's JSON configuration (LIVESHARD_CONFIG)")
+    parser.add_argument(
+        "--metrics-port",
+        help=f"the port of /metrics; 0 turns metrics off (LIVESHARD_METRICS_PORT, "
+        f"{DEFAULT_METRICS_PORT})",
+    )
     return parser
 
 
@@ -77,9 +84,14 @@ def load(environ: Mapping[str, str], argv: list[str] | None = None) -> AgentConf
         ipaddress.ip_address(pod_ip)
     except ValueError:
         raise ConfigError(f"LIVESHARD_POD_IP: {pod_ip!r} is not an IP address") from None
-    port_text = value("LIVESHARD_PORT", args.port, str(DEFAULT_PORT))
-    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
-        raise ConfigError(f"LIVESHARD_PORT: {port_text!r} must be a port number in 1..65535")
+    port = _port("LIVESHARD_PORT", value("LIVESHARD_PORT", args.port, str(DEFAULT_PORT)), 1)
+    metrics_port = _port(
+        "LIVESHARD_METRICS_PORT",
+        value("LIVESHARD_METRICS_PORT", args.metrics_port, str(DEFAULT_METRICS_PORT)),
+        0,
+    )
+    if metrics_port == port:
+        raise ConfigError(f"LIVESHARD_METRICS_PORT: {port} is the API's port (LIVESHARD_PORT)")
     token = environ.get("LIVESHARD_TOKEN", "")
     if not token:
         raise ConfigError("LIVESHARD_TOKEN: required, and not set (the job's token)")
@@ -90,4 +102,11 @@ def load(environ: Mapping[str, str], argv: list[str] | None = None) -> AgentConf
         job_config = JobConfig.from_json(value("LIVESHARD_CONFIG", args.config))
     except InvalidInput as err:
         raise ConfigError(f"LIVESHARD_CONFIG: {err}") from None
-    return AgentConfig(job, member, pod_ip, int(port_text), token, job_config)
+    return AgentConfig(job, member, pod_ip, port, token, job_config, metrics_port)
+
+
+def _port(variable: str, text: str, lowest: int) -> int:
+    """`text` as a port number from `lowest` up; ConfigError naming `variable` otherwise."""
+    if not text.isdigit() or not lowest <= int(text) <= 65535:
+        raise ConfigError(f"{variable}: {text!r} must be a port number in {lowest}..65535")
+    return int(text)

@@ -2,9 +2,10 @@
 
 In order: initialise the device (importing this module imports torch: together they are the
 pre-warm a standing-by pod does before it is needed), build the member (no store yet), start the
-gRPC server on the pod IP, report ready, then run the member's loop on the main thread until a
-Release stops it. If the loop fails the agent reports FAILED and keeps serving its status until
-it is released or killed. This module wires the parts; it holds no training or API logic.
+gRPC server and the metrics' HTTP server on the pod IP, report ready, then run the member's loop
+on the main thread until a Release stops it. If the loop fails the agent reports FAILED and keeps
+serving its status until it is released or killed. This module wires the parts; it holds no
+training or API logic.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import replace
+from wsgiref.simple_server import WSGIServer
 
 import torch
 
@@ -28,6 +30,7 @@ from ..runtime.loop import run_member
 from ..runtime.member import Member
 from .config import AgentConfig, ConfigError
 from .inbox import CommandInbox
+from .metrics import Metrics
 from .reporter import Reporter, observe
 from .requests import Job
 from .rpc import start_server
@@ -70,7 +73,8 @@ def serve(config: AgentConfig, board: StatusBoard) -> int:
     except InvalidInput as err:  # the data file: missing, or too short for the sequence length
         raise ConfigError(f"LIVESHARD_CONFIG: training: {err}") from None
     layouts: dict[int, Layout] = {}
-    reporter = Reporter(member, board, config.job, layouts.get)
+    metrics = Metrics(config.job, config.member, job_config.training)
+    reporter = Reporter(member, board, config.job, layouts.get, metrics)
     inbox = CommandInbox(reporter.boundary)
 
     def use_deadlines(deadlines: Deadlines) -> None:  # on the loop's thread, between commands
@@ -88,6 +92,7 @@ def serve(config: AgentConfig, board: StatusBoard) -> int:
     except RuntimeError as err:  # grpc's: the address is not this host's, or the port is taken
         logger.error("cannot serve on %s: %s", config.address, err)
         return 1
+    metrics_server = serve_metrics(metrics, config, logger)
     board.update(
         lambda s: replace(s, ready=True, observed=observe(member, s.observed, layouts.get))
     )
@@ -105,8 +110,28 @@ def serve(config: AgentConfig, board: StatusBoard) -> int:
     finally:
         board.close()
         server.stop(_STOP_GRACE).wait()
+        if metrics_server is not None:
+            metrics_server.shutdown()
+            metrics_server.server_close()
     reporter.log.info("released: exiting with status %s", status)
     return status
+
+
+def serve_metrics(
+    metrics: Metrics, config: AgentConfig, logger: logging.LoggerAdapter[logging.Logger]
+) -> WSGIServer | None:
+    """`metrics` served on the pod IP at LIVESHARD_METRICS_PORT, or None when that is 0 or the
+    port cannot be had: metrics are worth no stopped training (agents sharing one address, as
+    the tests' do, find the default port taken), so that is logged, not fatal."""
+    if config.metrics_port == 0:
+        return None
+    try:
+        metrics_server = metrics.serve(config.pod_ip, config.metrics_port)
+    except OSError as err:
+        logger.warning("no metrics: cannot serve on port %s: %s", config.metrics_port, err)
+        return None
+    logger.info("serving metrics at %s:%s/metrics", config.pod_ip, config.metrics_port)
+    return metrics_server
 
 
 def exporting(report: Report, logger: logging.LoggerAdapter[logging.Logger]) -> Report:

@@ -3,7 +3,8 @@
 `Reporter` is the loop's `report` callable and the inbox's `on_boundary`; both run on the loop's
 thread, the only thread that may read the member. It keeps the status board's `Observed` part and
 its events (last switch, last checkpoint, the last refusal) current, settles the tickets of the
-commands the loop has obeyed, and logs what happened. It must not drive the member.
+commands the loop has obeyed, logs what happened and, given `Metrics`, feeds them every event and
+the phase. It must not drive the member.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..engine.record import ContextLogger, context_logger
 from ..runtime.events import Broke, Checkpointed, Event, Finished, Refused, Stepped, Switched
 from ..runtime.member import Member, MemberState
 from .inbox import Ticket
+from .metrics import Metrics
 from .status import (
     CheckpointSummary,
     Observed,
@@ -71,9 +73,11 @@ class Reporter:
         board: StatusBoard,
         job: str,
         layout_of: Callable[[int], Layout | None],
+        metrics: Metrics | None = None,
     ) -> None:
         self.member, self.board, self.job = member, board, job
         self.layout_of = layout_of
+        self.metrics = metrics
         self._refusal: str | None = None  # of the command being obeyed
         self._last_logged_step = -1
 
@@ -83,6 +87,8 @@ class Reporter:
 
     def __call__(self, event: Event) -> None:
         """`run_member`'s report."""
+        if self.metrics is not None:
+            self.metrics.report(event)
         update: dict[str, Any] = {}
         match event:
             case Stepped(record=record):
@@ -124,7 +130,7 @@ class Reporter:
         """The member's loop stopped on an error: the agent can train no more (called while the
         error is handled, so its traceback is logged)."""
         self.log.error("the member's loop failed: %s", message, exc_info=True)
-        self.board.update(lambda s: replace(s, failure=message, message=message))
+        self._update(lambda s: replace(s, failure=message, message=message))
 
     def _refresh(self, update: dict[str, Any], settled: list[Ticket] | tuple[()]) -> None:
         done = {t.number for t in settled}
@@ -135,7 +141,13 @@ class Reporter:
             claims = tuple(c for c in s.claims if c.ticket not in done)
             return replace(s, observed=observed, claims=claims, **update)
 
-        self.board.update(change)
+        self._update(change)
+
+    def _update(self, change: Callable[[Snapshot], Snapshot]) -> None:
+        """Change the status board, and show the phase it computes to the metrics."""
+        snapshot = self.board.update(change)
+        if self.metrics is not None:
+            self.metrics.set_phase(snapshot.phase)
 
 
 def _switch_summary(event: Switched) -> SwitchSummary:

@@ -8,13 +8,14 @@ operator sends, the local launcher once from its flags (`flags`): a new setting 
 one schema entry in the CRD and a flag that derives from its name.
 """
 
-from .config import DEFAULT_BUDGET, DEFAULT_PORT, JobConfig
+from .config import DEFAULT_BUDGET, DEFAULT_METRICS_PORT, DEFAULT_PORT, JobConfig
 from .deadlines import Deadlines
 from .outcome import Cause, Result
 from .settings import TrainingSettings
 
 __all__ = [
     "DEFAULT_BUDGET",
+    "DEFAULT_METRICS_PORT",
     "DEFAULT_PORT",
     "Cause",
     "Deadlines",

@@ -21,6 +21,7 @@ from .deadlines import Deadlines
 from .settings import TrainingSettings
 
 DEFAULT_PORT = 7070  # the agent API's
+DEFAULT_METRICS_PORT = 9400  # the agent's Prometheus metrics
 DEFAULT_BUDGET = 256 << 20  # transfer buffer bytes per member per round
 PRECISIONS = ("fp32", "bf16")
 INITS = ("pretrained", "random")
