@@ -113,8 +113,8 @@ class Executor:
                 if because:
                     log.warning("job %s: deleting %s: %s", self.name, pod, because)
                 self.kube.delete(self.namespace, "pods", pod)
-            case ReleaseMember(member=member):
-                self._release(member)
+            case ReleaseMember(member=member, saved=saved):
+                self._release(member, saved)
             case LabelPod(pod=pod, role=role):
                 labels = {"metadata": {"labels": {render.ROLE_LABEL: role}}}
                 self.kube.patch(self.namespace, "pods", pod, labels)
@@ -130,12 +130,12 @@ class Executor:
             case _:
                 assert_never(action)
 
-    def _release(self, member: str) -> None:
+    def _release(self, member: str, saved: int) -> None:
         client = self.clients.get(member)
         if client is None:  # never answered: nothing to release
             return
         try:
-            client.release()
+            client.release(saved)
         except AgentError as err:
             log.info("job %s: releasing %s: %s", self.name, member, err)
 

@@ -41,9 +41,11 @@ class DeletePod:
 
 @dataclass(frozen=True)
 class ReleaseMember:
-    """Tell a pod's agent that the job needs it no more (its process may end)."""
+    """Tell a pod's agent that the job needs it no more (its process may end); `saved`: even as
+    a member of the world in effect, its state being saved as that checkpoint (a suspension)."""
 
     member: str
+    saved: int = 0
 
 
 @dataclass(frozen=True)

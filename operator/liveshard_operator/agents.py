@@ -95,5 +95,5 @@ class AgentClient:
         )
         self._call("Checkpoint", request)
 
-    def release(self) -> None:
-        self._call("Release", pb.ReleaseRequest())
+    def release(self, saved: int = 0) -> None:
+        self._call("Release", pb.ReleaseRequest(saved=saved))

@@ -1,5 +1,5 @@
-"""The job's status conditions (Ready, Reconfiguring, Degraded, Succeeded, Failed), in the
-standard metav1.Condition shape: a transition time that moves only when the status flips, the
+"""The job's status conditions (Ready, Reconfiguring, Degraded, Suspended, Succeeded, Failed), in
+the standard metav1.Condition shape: a transition time that moves only when the status flips, the
 generation observed, and terminal conditions (Succeeded, Failed) that stay once true. A transition
 is stamped with the time the caller gives (the pass's), else the clock's.
 """

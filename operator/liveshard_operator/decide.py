@@ -36,12 +36,12 @@ from liveshard.v1 import agent_pb2 as pb
 from liveshard_core.errors import InvalidInput
 
 from . import policy
-from .actions import Begin, Checkpoint, DeletePod, ReleaseMember
+from .actions import Begin, Checkpoint, DeletePod, Event, EventType, ReleaseMember
 from .decision import Decision, Draft
 from .inflight import progress
 from .observation import Job, Observation, Pod
 from .publish import Failure, Missing
-from .world import InFlight, Record, World
+from .world import InFlight, Record, Suspension, World
 
 _RESTARTABLE = (pb.AgentStatus.STANDBY, pb.AgentStatus.BROKEN)  # may join a restored first world
 _NO_STORE = ("", 0)  # a plan's store until its host answers
@@ -54,6 +54,8 @@ def decide(seen: Observation, record: Record, job: Job, now: float) -> Decision:
     _note_missing(draft, in_world | set(record.world.members if record.world else ()))
     if record.in_flight is not None:
         progress(draft, record.in_flight)
+    elif job.spec.suspend and _suspend(draft):
+        pass
     elif record.world is None:
         _start(draft)
     else:
@@ -101,9 +103,14 @@ def _start(draft: Draft) -> None:
         return
     members = [p.name for p in ready[: choice.used]]
     layout = choice.degrees.layout(draft.job.model, members)
-    restore = spec.restore_from
     short = f"{len(ready)} of {wanted} pods: " if len(ready) < wanted else ""
-    reason = f"start with {short}{choice.why}" + (f", from {restore}" if restore else "")
+    reason = f"start with {short}{choice.why}"
+    restore, suspended = spec.restore_from, draft.record.suspended
+    if suspended is not None:
+        restore = suspended.path
+        reason = f"resume from {restore} (step {suspended.step}); {reason}"
+    elif restore:
+        reason = f"{reason}, from {restore}"
     _begin(draft, InFlight(
         epoch=_next_epoch(draft), reason=reason, new=World.of(0, layout), store=_NO_STORE,
         started=draft.now, restore=restore,
@@ -114,6 +121,8 @@ def _start(draft: Draft) -> None:
 
 
 def _steady(draft: Draft, world: World) -> None:
+    if draft.record.suspended is not None:  # resumed (or cancelled before it was saved)
+        draft.record = replace(draft.record, suspended=None)
     if draft.record.restore:
         _restore(draft, draft.record.restore)
         return
@@ -174,6 +183,47 @@ def _steady(draft: Draft, world: World) -> None:
         epoch=_next_epoch(draft), reason="; ".join(reasons) or "new layout",
         new=World.of(0, layout), store=_NO_STORE, started=draft.now, old=world, lost=tuple(lost),
     ))  # fmt: skip
+
+
+# ---- suspension ----
+
+
+def _suspend(draft: Draft) -> bool:
+    """Suspend the job (spec.suspend): once every member trains (a recovery or the job's end
+    comes first: False, the pass goes on as if not suspending), ask them for a checkpoint at
+    their next step; once saved, record it, leave the world and release every pod. With no
+    world, keep no pod. True when this pass did what the suspension asks."""
+    record = draft.record
+    world = record.world
+    if world is None:
+        saved = record.suspended
+        draft.keep_pods(0, set(), saved.number if saved else 0)
+        return True
+    pods = draft.seen.pods
+    agents = [pods[m].agent if m in pods else None for m in world.members]
+    if not all(a is not None and a.phase == pb.AgentStatus.TRAINING for a in agents):
+        return False
+    speaker = agents[0]
+    assert speaker is not None
+    saving = record.suspended
+    if saving is None or saving.saved:  # none yet, or one the job resumed from
+        number = max(record.checkpoint_asked, speaker.last_checkpoint.number) + 1
+        path = f"{(draft.job.spec.checkpoint_path or '').rstrip('/')}/suspend-{number}"
+        saving = Suspension(number, path)
+        draft.record = replace(record, suspended=saving)
+    saved = [a.last_checkpoint for a in agents if a is not None]
+    if all(c.number >= saving.number for c in saved) and saved[0].path == saving.path:
+        step = int(saved[0].step)
+        draft.record = replace(draft.record, world=None, suspended=replace(saving, step=step))
+        draft.keep_pods(0, set(), saving.number)
+        draft.after.append(Event(
+            EventType.NORMAL, "Suspended", f"suspended at step {step}: state saved to {saving.path}"
+        ))  # fmt: skip
+        return True
+    draft.message = f"suspending: saving the state of step >= {speaker.step} to {saving.path}"
+    if record.checkpoint_asked < saving.number:
+        draft.ask = Checkpoint(world.members, saving.number, saving.path, int(speaker.step))
+    return True
 
 
 # ---- capacity as it lands ----

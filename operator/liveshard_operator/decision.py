@@ -91,14 +91,15 @@ class Draft:
         return Decision(self.job, self.seen, self.now, self.record, report,
                         tuple(self.before), tuple(self.after), self.ask)  # fmt: skip
 
-    def keep_pods(self, wanted: int, members: set[str]) -> None:
-        """Create pods until `wanted` live ones exist; delete surplus pods not in `members`."""
+    def keep_pods(self, wanted: int, members: set[str], saved: int = 0) -> None:
+        """Create pods until `wanted` live ones exist; delete surplus pods not in `members`
+        (`saved`: see `ReleaseMember`)."""
         live = self.seen.live()
         for _ in range(wanted - len(live)):
             self.after.append(CreatePod(render.worker_pod(self.job.body, self.job.spec)))
         surplus = [p for p in reversed(live) if p.name not in members]
         for pod in surplus[: max(len(live) - wanted, 0)]:
-            self.after += [ReleaseMember(pod.name), DeletePod(pod.name)]
+            self.after += [ReleaseMember(pod.name, saved), DeletePod(pod.name)]
 
     def label(self, members: set[str]) -> None:
         """Label `members` as the world's (the scale selector's) and every other pod standby."""

@@ -115,8 +115,20 @@ def status(
         phase = "Reconfiguring"
     elif world is not None:
         phase = "Running"
+    elif job.spec.suspend:
+        phase = "Suspended"
     else:
         phase = "Pending"
+    saved = record.suspended if world is None and record.suspended else None
+    if saved is not None and saved.saved:
+        out["step"] = saved.step
+    if phase == "Suspended":
+        kept = "suspended before it started: no pod is kept"
+        if saved is not None and saved.saved:
+            kept = f"the state of step {saved.step} is saved in {saved.path}"
+        conds.set("Suspended", True, "JobSuspended", kept)
+    elif conds.get("Suspended") is not None:
+        conds.set("Suspended", False, "JobResumed", "")
     conds.set("Ready", phase == "Running", phase, message or f"{len(training)} members training")
     conds.set("Reconfiguring", plan is not None, "InFlight" if plan else "Idle",
               f"epoch {plan.epoch}: {plan.reason}" if plan else "")  # fmt: skip

@@ -72,6 +72,7 @@ class JobSpec:
     restore_from: str
     port: int
     pending_timeout: float  # seconds a scheduled pod that is not ready may hold the job up
+    suspend: bool  # save the state to a checkpoint and release every pod until it is false
     template: dict[str, Any] = field(repr=False)
 
     @classmethod
@@ -123,8 +124,14 @@ class JobSpec:
             pending_timeout=float(
                 (spec.get("scheduling") or {}).get("pendingTimeoutSeconds", PENDING_TIMEOUT)
             ),
+            suspend=bool(spec.get("suspend", False)),
             template=template,
         )
+        if job.suspend and not job.checkpoint_path:
+            raise InvalidInput(
+                "spec.suspend needs spec.checkpoint.path: a suspended job keeps its state in a "
+                "checkpoint there"
+            )
         job._check_fixed_degrees()
         return job
 

@@ -96,6 +96,27 @@ class InFlight:
 
 
 @dataclass(frozen=True)
+class Suspension:
+    """A suspension of the job: its state saved as checkpoint `number` to `path`, at `step`
+    (-1 while the members are asked to save it)."""
+
+    number: int
+    path: str
+    step: int = -1
+
+    @property
+    def saved(self) -> bool:
+        return self.step >= 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"number": self.number, "path": self.path, "step": self.step}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Suspension:
+        return cls(int(data["number"]), str(data["path"]), int(data["step"]))
+
+
+@dataclass(frozen=True)
 class Record:
     """What one pass leaves the next one (`status.reconfiguration`)."""
 
@@ -107,6 +128,7 @@ class Record:
     restore: str = ""  # why the job must restart from its last checkpoint ("": it need not)
     silent: Mapping[str, float] = field(default_factory=dict)  # member -> silent since
     checkpoint_asked: int = 0  # the number of the last checkpoint every member was asked for
+    suspended: Suspension | None = None  # the job is (being) suspended, or resumes from this
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Record:
@@ -119,6 +141,7 @@ class Record:
             restore=str(data.get("restore") or ""),
             silent={m: float(t) for m, t in (data.get("silent") or {}).items()},
             checkpoint_asked=int(data.get("checkpointAsked", 0)),
+            suspended=Suspension.from_dict(data["suspended"]) if data.get("suspended") else None,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -132,4 +155,5 @@ class Record:
             "restore": self.restore or None,
             "silent": dict(self.silent) or None,
             "checkpointAsked": self.checkpoint_asked,
+            "suspended": self.suspended.to_dict() if self.suspended else None,
         }

@@ -134,7 +134,12 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
         {"spec.minReplicas": 2, "spec.replicas": 1},
         ["spec.replicas (1) must be between spec.minReplicas (2)"],
     ),
-    ("replicas zero", {"spec.replicas": 0}, ["suspending a job (0 replicas) is not supported"]),
+    ("replicas zero", {"spec.replicas": 0}, ["to stop a job for a while, set spec.suspend: true"]),
+    (
+        "suspend without a checkpoint path",
+        {"spec.suspend": True},
+        ["spec.suspend needs spec.checkpoint.path"],
+    ),
     ("replicas negative", {"spec.replicas": -1}, ["spec.replicas", "greater than or equal to 0"]),
     (
         "min above max",

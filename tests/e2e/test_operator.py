@@ -239,6 +239,41 @@ def test_a_job_starts_with_the_pods_that_land_and_grows_as_more_do(operator: Kub
         kube.run("kubectl", "uncordon", *closed, check=False)
 
 
+def test_a_suspended_job_resumes_in_another_layout_at_the_same_step(
+    operator: Kube, tmp_path: Path
+) -> None:
+    kube = operator
+    saved = tmp_path / "checkpoints"
+    steps, start = started(kube, 2, checkpoint={"path": str(saved)})
+    kube.kubectl("patch", "etj", JOB, "--type=merge", "-p", '{"spec": {"suspend": true}}')
+    suspended = steps.wait(lambda s: s.get("phase") == "Suspended", "suspended")
+    step = suspended["step"]
+    assert step >= start["step"] and suspended["replicas"] == 0
+    condition = next(c for c in suspended["conditions"] if c["type"] == "Suspended")
+    assert condition["status"] == "True" and condition["reason"] == "JobSuspended"
+    path = suspended["reconfiguration"]["suspended"]["path"]
+    assert condition["message"] == f"the state of step {step} is saved in {path}"
+    assert json.loads((Path(path) / "liveshard.json").read_text())["scalars"]["step"] == step
+    wait_until(lambda: not members(kube) or None, 60, "every pod released")
+    assert "Suspended" in event_reasons(kube)
+
+    # Resumed with more capacity: another layout, the same step and data cursor.
+    resume = {"spec": {"suspend": False, "replicas": 3}}
+    kube.kubectl("patch", "etj", JOB, "--type=merge", "-p", json.dumps(resume))
+    resumed = steps.wait(training(3, start["epoch"] + 1), "resumed with 3", STARTUP)
+    last = resumed["lastReconfiguration"]
+    assert last["reason"].startswith(f"resume from {path} (step {step})"), last
+    assert last["result"] == "committed" and last["to"].startswith("dp=3"), last
+    assert resumed["step"] >= step
+    condition = next(c for c in resumed["conditions"] if c["type"] == "Suspended")
+    assert (condition["status"], condition["reason"]) == ("False", "JobResumed")
+    secret, pods = token(kube), members(kube)
+    for name in resumed["members"]:
+        agent = agent_status(kube, pods[name], secret)
+        assert agent.samples == agent.step * GLOBAL_BATCH, (name, agent.samples, agent.step)
+    steps.wait(lambda s: s.get("step", 0) > resumed["step"], "training on after the resume")
+
+
 def test_a_worker_killed_without_notice_is_recovered_from_its_replicas(operator: Kube) -> None:
     kube = operator
     # Without ZeRO every data-parallel replica holds the whole state: the dead one's is in memory.

@@ -73,7 +73,7 @@ class FakeAgent:
     def checkpoint(self, number: int, path: str, at_step: int, export_to: str = "") -> None:
         self._call("checkpoint", number)
 
-    def release(self) -> None:
+    def release(self, saved: int = 0) -> None:
         self._call("release")
 
     def close(self) -> None:

@@ -27,7 +27,7 @@ from liveshard_operator.decision import Decision, checkpointed, hosted, not_host
 from liveshard_operator.inflight import backoff
 from liveshard_operator.observation import Job, Observation
 from liveshard_operator.publish import HISTORY
-from liveshard_operator.world import InFlight, Record
+from liveshard_operator.world import InFlight, Record, Suspension
 
 from liveshard.v1 import agent_pb2 as pb
 from liveshard_core.errors import InvalidInput
@@ -58,8 +58,8 @@ def brief(action: Action) -> str:
             return "create"
         case DeletePod(pod=name):
             return f"delete {name}"
-        case ReleaseMember(member=name):
-            return f"release {name}"
+        case ReleaseMember(member=name, saved=saved):
+            return f"release {name}" + (f" saved {saved}" if saved else "")
         case LabelPod(pod=name, role=role):
             return f"label {name} {role}"
         case Prepare(member=name, epoch=epoch):
@@ -99,6 +99,10 @@ SHRINK = InFlight(epoch=2, reason="scale 3 -> 2", new=world(J2, ["p0", "p1"], 2)
 # In flight: a recovery from the loss of p2, epoch 2.
 RECOVERY = replace(SHRINK, reason="lost p2", lost=("p2",))
 NO_COPY = pb.SwitchSummary.NO_SURVIVING_COPY
+SUSPEND = job(3, checkpoint={"path": "/ck/"}, suspend=True)
+RESUME = job(2, checkpoint={"path": "/ck/"})
+SAVING = Suspension(1, "/ck/suspend-1")  # asked of the members, not saved yet
+SAVED = replace(SAVING, step=12)
 UNSCHEDULABLE = "Unschedulable: 0/3 nodes are available: 3 node(s) were unschedulable."
 # p0's and p1's world broke; p2 answers nothing.
 P2_SILENT = seen(
@@ -239,6 +243,48 @@ CASES: dict[str, Case] = {
         J3, seen(pod("p0", done(1), role=M), *TRAINING3[1:]), Record(world=W3), "Succeeded",
         before=["release p0", "delete p0", "release p1", "delete p1", "release p2", "delete p2"],
         message="3 members training",
+    ),
+    # ---- suspension ----
+    "suspend: every member trains, ask for a checkpoint at their step": Case(
+        SUSPEND, seen(*TRAINING3), Record(world=W3), "Running",
+        ask="checkpoint 1 at 10 in /ck/suspend-1 on p0,p1,p2", message="suspending",
+        changed={"suspended": SAVING},
+    ),
+    "suspend again after a resume: a new checkpoint": Case(
+        SUSPEND, seen(*TRAINING3), Record(world=W3, checkpoint_asked=1, suspended=SAVED),
+        "Running", ask="checkpoint 2 at 10 in /ck/suspend-2 on p0,p1,p2",
+        changed={"suspended": Suspension(2, "/ck/suspend-2")},
+    ),
+    "suspend: asked, not saved yet: wait": Case(
+        SUSPEND, seen(*TRAINING3), Record(world=W3, checkpoint_asked=1, suspended=SAVING),
+        "Running", message="suspending",
+    ),
+    "suspend: saved by every member: leave the world, release every pod": Case(
+        SUSPEND,
+        seen(*(pod(m, training(1, step=12, last_checkpoint=checkpoint(1, 12, "/ck/suspend-1")),
+                   role=M) for m in ("p0", "p1", "p2"))),
+        Record(world=W3, checkpoint_asked=1, suspended=SAVING), "Suspended",
+        after=["release p2 saved 1", "delete p2", "release p1 saved 1", "delete p1",
+               "release p0 saved 1", "delete p0", "Normal Suspended"],
+        changed={"world": None, "suspended": SAVED},
+    ),
+    "suspend: a member lost: recover first": Case(
+        SUSPEND, seen(*TRAINING3[:2], pod("p2", None, gone=True)), Record(world=W3), "Running",
+        after=["create"], ask="begin 2 on p0: p0,p1 from epoch 1 lost=p2 lost p2",
+    ),
+    "suspended: no pod is kept": Case(
+        SUSPEND, seen(pod("p3", standby())), Record(last_epoch=1, suspended=SAVED), "Suspended",
+        after=["release p3 saved 1", "delete p3"],
+    ),
+    "created suspended: no pod is started": Case(SUSPEND, seen(), Record(), "Suspended"),
+    "resume: a first world from the suspension's checkpoint, in the layout the pods allow": Case(
+        RESUME, seen(pod("p3", standby()), pod("p4", standby())),
+        Record(last_epoch=1, suspended=SAVED), "Pending",
+        ask="begin 2 on p3: p3,p4 resume from /ck/suspend-1 (step 12); start with",
+    ),
+    "resumed: the suspension is owed no more": Case(
+        job(3, checkpoint={"path": "/ck/"}), seen(*TRAINING3),
+        Record(world=W3, last_epoch=2, suspended=SAVED), "Running", changed={"suspended": None},
     ),
     # ---- silent members ----
     "a member answers nothing while another's world broke: the clock starts": Case(
@@ -592,12 +638,32 @@ def test_new_pods_are_rendered_from_the_template() -> None:
 
 def test_the_record_round_trips_and_clears_what_it_no_longer_holds() -> None:
     record = Record(world=W3, in_flight=RECOVERY, last_epoch=2, attempts=1, retry_after=NOW,
-                    restore="why", silent={"p2": NOW}, checkpoint_asked=4)  # fmt: skip
+                    restore="why", silent={"p2": NOW}, checkpoint_asked=4,
+                    suspended=SAVED)  # fmt: skip
     assert Record.from_dict(record.to_dict()) == record
     assert Record.from_dict({}) == Record()
     cleared = Record(world=W3).to_dict()
     # A merge patch: None removes what the stored record had.
-    assert (cleared["inFlight"], cleared["restore"], cleared["silent"]) == (None, None, None)
+    assert (cleared["inFlight"], cleared["restore"], cleared["silent"], cleared["suspended"]) == (
+        None, None, None, None,
+    )  # fmt: skip
+
+
+def test_a_suspended_job_shows_its_step_and_resumes_from_its_checkpoint() -> None:
+    case = CASES["suspended: no pod is kept"]
+    status = decide(case.seen, case.record, case.job, NOW).status
+    assert status["step"] == 12 and status["replicas"] == 0
+    suspended = condition(status, "Suspended")
+    assert (suspended["status"], suspended["reason"]) == ("True", "JobSuspended")
+    assert suspended["message"] == "the state of step 12 is saved in /ck/suspend-1"
+    resume = CASES[
+        "resume: a first world from the suspension's checkpoint, in the layout the pods allow"
+    ]
+    body = {**resume.job.body, "status": status}
+    decision = decide(resume.seen, resume.record, replace(resume.job, body=body), NOW)
+    assert isinstance(decision.ask, Begin) and decision.ask.plan.restore == "/ck/suspend-1"
+    resumed = condition(decision.status, "Suspended")
+    assert (resumed["status"], resumed["reason"]) == ("False", "JobResumed")
 
 
 def test_each_reconfiguration_ended_is_kept_in_a_bounded_history() -> None:

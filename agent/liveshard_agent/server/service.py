@@ -283,16 +283,21 @@ class AgentService:
 
     # ---- leaving ----
 
-    def release(self, _: pb.ReleaseRequest, __: Context) -> pb.ReleaseResponse:
+    def release(self, request: pb.ReleaseRequest, _: Context) -> pb.ReleaseResponse:
+        if request.saved < 0:
+            raise InvalidInput(f"saved={request.saved} must be >= 0 (a checkpoint number)")
         with self._lock:
             if self.released.is_set():
                 return pb.ReleaseResponse()
             snapshot = self.board.get()
             phase = snapshot.phase
-            if phase is Phase.TRAINING:
+            saved = _last_checkpoint(snapshot)
+            if phase is Phase.TRAINING and not (request.saved and (saved or 0) >= request.saved):
+                kept = f"; its last checkpoint is {saved}" if request.saved else ""
                 raise Refused(
                     f"this agent is a member of the world in effect (epoch "
-                    f"{snapshot.observed.epoch}); reconfigure it out before releasing it"
+                    f"{snapshot.observed.epoch}); reconfigure it out before releasing it, or "
+                    f"save its state first{kept}"
                 )
             if phase is Phase.JOINING:
                 raise Refused(

@@ -127,8 +127,10 @@ class CheckpointResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("saved",)
+    SAVED_FIELD_NUMBER: _ClassVar[int]
+    saved: int
+    def __init__(self, saved: _Optional[int] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ()

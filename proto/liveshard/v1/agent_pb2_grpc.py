@@ -133,7 +133,8 @@ class AgentServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """Let an agent that is no member of the world in effect exit (its pod may then go).
+        """Let an agent that is no member of the world in effect exit (its pod may then go); a member
+        too once its state is saved (`saved`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

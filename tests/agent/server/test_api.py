@@ -196,6 +196,7 @@ def test_other_calls_check_their_fields_and_the_agents_state(agent: Agent) -> No
         ("Checkpoint", pb.CheckpointRequest(number=1, path="/c"), Code.FAILED_PRECONDITION,
          "this agent is STANDBY: only members of the world in effect"),
         ("HostStore", pb.HostStoreRequest(epoch=-1), Code.INVALID_ARGUMENT, "epoch=-1"),
+        ("Release", pb.ReleaseRequest(saved=-1), Code.INVALID_ARGUMENT, "saved=-1"),
     ]  # fmt: skip
     for method, request, code, words in cases:
         err = agent.refused(method, request)

@@ -183,6 +183,9 @@ def test_a_job_grows_shrinks_aborts_checkpoints_and_drains(
     assert saved["members"] == ["a0", "a2"] and saved["scalars"]["step"] > 0
     err = a0.refused("Checkpoint", pb.CheckpointRequest(number=1, path=path))
     assert err.code() == Code.INVALID_ARGUMENT and "greater than 1" in str(err)
+    # A member of the world in effect is released only once its state is saved (a suspension).
+    err = a0.refused("Release", pb.ReleaseRequest(saved=2))
+    assert err.code() == Code.FAILED_PRECONDITION and "its last checkpoint is 1" in str(err)
 
     # Drain: a2 gets SIGTERM, keeps serving and training; its state moves to a1 (brought back
     # from standby), and then it is released.
@@ -223,6 +226,9 @@ def test_a_job_grows_shrinks_aborts_checkpoints_and_drains(
     (status,) = switched([a0], 5)
     assert status.last_switch.step == stopped and status.last_switch.network_bytes == 0
     assert trains(a0, stopped).layout == alone
+    # Its state saved in checkpoint 1 (a suspension), the member of the world is let go.
+    a0.call("Release", pb.ReleaseRequest(saved=1))
+    assert a0.wait_exit() == 0
 
 
 def test_a_one_member_job_trains_to_its_end(tmp_path: Path) -> None:
