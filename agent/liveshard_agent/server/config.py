@@ -8,6 +8,7 @@ token: a secret on the command line is visible to every process on the node).
     LIVESHARD_METRICS_PORT  the port of its Prometheus metrics (default 9400; 0: none)
     LIVESHARD_TOKEN    the job's token; every call must carry it
     LIVESHARD_CONFIG   JSON: what the job trains and how it switches (`JobConfig.from_json`)
+    LIVESHARD_LOG_FORMAT  text (default) or json: one JSON object per log line
 
 Parsing imports no torch, so a bad configuration is reported in a moment. Every error is a
 `ConfigError` whose one-line message names the variable (and the field inside LIVESHARD_CONFIG).
@@ -21,6 +22,7 @@ import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from liveshard_core import logs
 from liveshard_core.errors import InvalidInput
 from liveshard_core.job import DEFAULT_METRICS_PORT, DEFAULT_PORT, JobConfig
 
@@ -38,6 +40,7 @@ class AgentConfig:
     token: str = field(repr=False)
     job_config: JobConfig
     metrics_port: int = DEFAULT_METRICS_PORT  # 0: no metrics
+    log_format: str = "text"  # one of liveshard_core.logs.FORMATS
 
     @property
     def address(self) -> str:
@@ -59,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--pod-ip", help="the address to serve on (LIVESHARD_POD_IP)")
     parser.add_argument("--port", help=f"the API's port (LIVESHARD_PORT, {DEFAULT_PORT})")
     parser.add_argument("--config", help="the job's JSON configuration (LIVESHARD_CONFIG)")
+    parser.add_argument(
+        "--log-format", help="text or json: one JSON object per log line (LIVESHARD_LOG_FORMAT)"
+    )
     parser.add_argument(
         "--metrics-port",
         help=f"the port of /metrics; 0 turns metrics off (LIVESHARD_METRICS_PORT, "
@@ -102,7 +108,12 @@ def load(environ: Mapping[str, str], argv: list[str] | None = None) -> AgentConf
         job_config = JobConfig.from_json(value("LIVESHARD_CONFIG", args.config))
     except InvalidInput as err:
         raise ConfigError(f"LIVESHARD_CONFIG: {err}") from None
-    return AgentConfig(job, member, pod_ip, port, token, job_config, metrics_port)
+    log_format = value("LIVESHARD_LOG_FORMAT", args.log_format, "text")
+    if log_format not in logs.FORMATS:
+        raise ConfigError(
+            f"LIVESHARD_LOG_FORMAT: {log_format!r} must be one of {', '.join(logs.FORMATS)}"
+        )
+    return AgentConfig(job, member, pod_ip, port, token, job_config, metrics_port, log_format)
 
 
 def _port(variable: str, text: str, lowest: int) -> int:

@@ -20,6 +20,8 @@ import sys
 import threading
 from dataclasses import replace
 
+from liveshard_core import logs
+
 from .config import ConfigError, load
 from .status import Snapshot, StatusBoard
 
@@ -39,16 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     # Blocked before any thread starts, so every thread (grpc's and torch's too) inherits it and
     # SIGTERM is only ever taken by `_follow_sigterm`.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    logging.basicConfig(
-        level=os.environ.get("LIVESHARD_LOG_LEVEL", "INFO").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
     try:
         config = load(os.environ, argv)
     except ConfigError as err:
         print(f"liveshard-agent: {err}", file=sys.stderr)
         return 2
+    logs.configure(os.environ.get("LIVESHARD_LOG_LEVEL", "INFO").upper(), config.log_format)
     board = StatusBoard(Snapshot(member=config.member, steps=config.job_config.training.steps))
     threading.Thread(target=_follow_sigterm, args=(board,), name="sigterm", daemon=True).start()
     try:

@@ -5,6 +5,7 @@ fixture); each checks afterwards that the agent still serves and that nothing ch
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 import socket
 from collections.abc import Iterator
@@ -26,7 +27,7 @@ STORE = pb.StoreAddress(host=HOST, port=1)  # never reached: every request here 
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent]:
-    with agents(["a0"], tmp_path_factory.mktemp("agents")) as started:
+    with agents(["a0"], tmp_path_factory.mktemp("agents"), LIVESHARD_LOG_FORMAT="json") as started:
         yield started["a0"]
 
 
@@ -216,6 +217,10 @@ def test_stores_of_epochs_no_one_will_use_are_freed(agent: Agent) -> None:
         assert agent.call("HostStore", pb.HostStoreRequest(epoch=epoch)).address.port > 0
     assert len(list(fds.iterdir())) <= before + 10, sorted(p.name for p in fds.iterdir())
     standing_by(agent)
+    # Its log (LIVESHARD_LOG_FORMAT=json) says so, one JSON object per line with its context.
+    lines = [json.loads(line) for line in agent.output().splitlines() if line.startswith("{")]
+    freed = [line for line in lines if line["message"].endswith("freed the store of epoch 1049")]
+    assert freed and freed[0]["level"] == "INFO" and freed[0]["member"] == "a0", lines[-3:]
 
 
 def test_a_prepare_is_checked_against_the_model_from_the_configuration(

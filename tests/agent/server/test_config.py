@@ -84,6 +84,7 @@ def test_bad_job_configurations_name_the_field(text: str, names: str) -> None:
         ({"LIVESHARD_MEMBER": ""}, "LIVESHARD_MEMBER: required"),
         ({"LIVESHARD_POD_IP": "pod-7"}, "LIVESHARD_POD_IP: 'pod-7' is not an IP address"),
         ({"LIVESHARD_PORT": "70000"}, "LIVESHARD_PORT: '70000' must be a port number"),
+        ({"LIVESHARD_LOG_FORMAT": "xml"}, "LIVESHARD_LOG_FORMAT: 'xml' must be one of text, json"),
         ({"LIVESHARD_CONFIG": json.dumps({**CONFIG, "training": {"global_batch": 0}})},
          "LIVESHARD_CONFIG: training.global_batch=0 must be an integer >= 1"),
         ({"LIVESHARD_CONFIG": '{"model": {"preset": "huge"}}'},
