@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from liveshard_e2e.testing import Kube
+from liveshard_e2e.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_FILE = ROOT / "crds" / "elastictrainingjobs.liveshard.io.yaml"
@@ -33,7 +34,14 @@ def install_crd(kube: Kube) -> None:
         "-f",
         str(CRD_FILE),
     )
-    kube.run("kubectl", "wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
+
+    def established() -> bool:
+        crd = kube.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{CRD_NAME}")
+        conditions = ((crd or {}).get("status") or {}).get("conditions") or []
+        return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
+
+    # Polled: `kubectl wait` fails outright when it reads the CRD before it has any condition.
+    wait_until(established, 60, f"crd/{CRD_NAME} established")
 
 
 def crd_schema() -> dict[str, Any]:

@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import signal
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -20,9 +21,11 @@ from typing import Any
 import grpc
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from liveshard.v1 import agent_pb2 as pb
 from liveshard.v1 import agent_pb2_grpc as pb_grpc
+from liveshard_core.job import DEFAULT_METRICS_PORT
 from liveshard_core.vps.hf import HfModel
 from liveshard_core.vps.presets import CONFIGS
 from liveshard_e2e.testing import Kube
@@ -121,6 +124,19 @@ def agent_status(kube: Kube, pod: dict[str, Any], token: str | None) -> pb.Agent
                                                     metadata=metadata)  # fmt: skip
 
 
+def metrics(pod: dict[str, Any]) -> dict[tuple[str, str], float]:
+    """A worker's Prometheus metrics: (series, its phase or result label) -> value."""
+    url = f"http://{pod['status']['podIP']}:{DEFAULT_METRICS_PORT}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        text = answer.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            label = sample.labels.get("phase") or sample.labels.get("result") or ""
+            out[(sample.name, label)] = sample.value
+    return out
+
+
 def event_reasons(kube: Kube) -> list[str]:
     events = kube.kubectl("get", "events", "--field-selector", f"involvedObject.name={JOB}",
                           "-o", "json").stdout  # fmt: skip
@@ -168,6 +184,15 @@ def test_scale_down_and_up_live(operator: Kube) -> None:
         assert agent.epoch == grown["epoch"]
         assert agent.samples == agent.step * GLOBAL_BATCH, (name, agent.samples, agent.step)
     assert event_reasons(kube).count("Reconfigured") >= 3  # the first world, 4 -> 2, 2 -> 3
+    # Every member's metrics: its step moves, it trains, and the survivors counted the switches.
+    for name in grown["members"]:
+        first_scrape = metrics(pods[name])
+        assert first_scrape[("liveshard_member_phase", "training")] == 1
+        assert first_scrape[("liveshard_tokens_per_second", "")] > 0
+        wait_until(lambda n=name, f=first_scrape: metrics(pods[n])[("liveshard_step", "")]
+                   > f[("liveshard_step", "")], 60, f"{name}'s step metric rising")  # fmt: skip
+        switched = first_scrape[("liveshard_reconfigurations_total", "committed")]
+        assert switched >= (2 if name in survivors else 1), (name, switched)
 
 
 def test_drain_moves_a_worker_out_before_it_is_killed(operator: Kube) -> None:
