@@ -19,6 +19,8 @@ import logging
 from collections.abc import Callable
 from typing import Any, assert_never
 
+from liveshard_core.errors import InvalidInput
+
 from . import render
 from .actions import (
     AbortOn,
@@ -34,7 +36,8 @@ from .actions import (
 )
 from .agents import AgentClient, AgentError
 from .decision import Decision, checkpointed, hosted, not_hosted
-from .kube import Kube
+from .kube import ApiError, Kube
+from .spec import JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +59,24 @@ class Executor:
         self.kube, self.namespace, self.name = kube, namespace, name
         self.events, self.clients = events, clients
 
-    def ensure_objects(self, job: dict[str, Any]) -> None:
-        """The job's token Secret and PodDisruptionBudget, created when missing."""
+    def ensure_objects(self, job: dict[str, Any], spec: JobSpec) -> None:
+        """The job's token Secret, PodDisruptionBudget and (gang scheduled) PodGroup, created
+        when missing. InvalidInput when the job asks for gang scheduling and the cluster has
+        no PodGroup kind."""
         if self.kube.get(self.namespace, "secrets", render.secret_name(self.name)) is None:
             self.kube.create(self.namespace, "secrets", render.token_secret(job))
         if self.kube.get(self.namespace, "poddisruptionbudgets", self.name) is None:
             self.kube.create(self.namespace, "poddisruptionbudgets", render.disruption_budget(job))
+        if spec.gang and self.kube.get(self.namespace, "podgroups", self.name) is None:
+            try:
+                self.kube.create(self.namespace, "podgroups", render.pod_group(job, spec))
+            except ApiError as err:  # 404 on a collection: the cluster has no such kind
+                if err.status != 404:
+                    raise
+                raise InvalidInput(
+                    f"spec.scheduling.gang: the cluster serves no PodGroup "
+                    f"({render.POD_GROUP_API}): install the scheduler-plugins CRDs"
+                ) from None
 
     def token(self) -> str:
         """The job's token, which every agent call carries."""

@@ -3,12 +3,15 @@ its pods and agents, decides the next idempotent step (`decide`, pure) and carri
 writing the job's status once.
 
 Everything the next pass needs is in the job's status (`world.Record`), so a restarted operator
-resumes where the last one stopped; handlers only wake this loop.
+resumes where the last one stopped; handlers only wake this loop. Each pass is timed and what it
+found recorded in the operator's metrics (`metrics.Metrics`), which the job leaves when it is
+gone or its controller is closed.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from liveshard_core.errors import InvalidInput
 
@@ -18,6 +21,7 @@ from .agents import AgentClient
 from .conditions import Conditions
 from .decide import decide
 from .kube import Kube
+from .metrics import Metrics
 from .observation import Job
 from .observe import observe
 from .spec import JobSpec
@@ -27,34 +31,59 @@ from .world import Record
 class JobController:
     """Reconciles one ElasticTrainingJob; `reconcile` is one pass."""
 
-    def __init__(self, kube: Kube, namespace: str, name: str, events: Events) -> None:
+    def __init__(
+        self, kube: Kube, namespace: str, name: str, events: Events, metrics: Metrics | None = None
+    ) -> None:
         self.kube, self.namespace, self.name = kube, namespace, name
         self.clients: dict[str, AgentClient] = {}  # one per pod, kept across passes
         self.executor = Executor(kube, namespace, name, events, self.clients)
+        self.metrics = metrics or Metrics()  # the operator's, or one of its own nobody serves
+        self.job = f"{namespace}/{name}"  # its `job` label
 
     def close(self) -> None:
         for client in self.clients.values():
             client.close()
         self.clients.clear()
+        self.metrics.forget(self.job)
 
     def reconcile(self) -> bool:
-        """One pass; False once the job is gone."""
+        """One pass, timed; False once the job is gone."""
+        with self.metrics.timing(self.job):
+            alive = self._reconcile()
+        if not alive:
+            self.metrics.forget(self.job)
+        return alive
+
+    def _reconcile(self) -> bool:
         body = self.kube.get_job(self.namespace, self.name)
         if body is None:
             return False
         status = body.get("status") or {}
         if Conditions(status.get("conditions") or [], 0).terminal():
+            self.metrics.unobserved(self.job, str(status.get("phase") or "Unknown"))
             return True  # Succeeded and Failed are for good
         try:
             spec = JobSpec.parse(body["spec"])
             model = spec.model_spec()
         except (InvalidInput, KeyError, TypeError, ValueError) as err:
-            self.executor.write(publish.invalid_spec(body, str(err), time.time()))
-            return True
-        self.executor.ensure_objects(body)
+            return self._invalid(body, str(err))
+        try:
+            self.executor.ensure_objects(body, spec)
+        except InvalidInput as err:  # the spec asks for what this cluster lacks
+            return self._invalid(body, str(err))
         token = self.executor.token()
         seen = observe(self.kube, self.namespace, self.name, token, spec.port, self.clients)
         record = Record.from_dict(status.get("reconfiguration") or {})
         # The time is read once, after observing, so that every rule of the pass sees the same.
-        self.executor.run(decide(seen, record, Job(body, spec, model), time.time()))
+        decision = decide(seen, record, Job(body, spec, model), time.time())
+        self.executor.run(decision)
+        # As decided: a reconfiguration this pass begins counts as in flight from the next pass.
+        self.metrics.decided(self.job, decision)
+        return True
+
+    def _invalid(self, body: dict[str, Any], error: str) -> bool:
+        """Report a spec that cannot be run (the job stays Pending until it changes)."""
+        invalid = publish.invalid_spec(body, error, time.time())
+        self.executor.write(invalid)
+        self.metrics.unobserved(self.job, invalid["phase"])
         return True

@@ -196,8 +196,7 @@ def _suspend(draft: Draft) -> bool:
     record = draft.record
     world = record.world
     if world is None:
-        saved = record.suspended
-        draft.keep_pods(0, set(), saved.number if saved else 0)
+        draft.keep_pods(0, set(), record.suspended.number if record.suspended else 0)
         return True
     pods = draft.seen.pods
     agents = [pods[m].agent if m in pods else None for m in world.members]

@@ -1,5 +1,6 @@
 """kopf's handlers: a daemon per ElasticTrainingJob runs its controller; events on the job's
-pods only wake it (level-based: the controller looks at everything again on every pass).
+pods only wake it (level-based: the controller looks at everything again on every pass). Every
+controller records into the operator's one `METRICS`, which `main` serves.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import kopf
 
 from .controller import JobController
 from .kube import Kube
+from .metrics import Metrics
 from .render import GROUP, JOB_LABEL, PLURAL, VERSION
 
 PERIOD = 2.0  # seconds between passes when nothing wakes the controller
 _wakers: dict[tuple[str, str], threading.Event] = {}
 _kube: Kube | None = None
+METRICS = Metrics()
 
 
 def _api() -> Kube:
@@ -38,7 +41,7 @@ def run_job(
     """The job's control loop, until the job is deleted or the operator stops."""
     assert namespace is not None  # the resource is namespaced
     wake = _wakers.setdefault((namespace, name), threading.Event())
-    controller = JobController(_api(), namespace, name, _post_event)
+    controller = JobController(_api(), namespace, name, _post_event, METRICS)
     try:
         while not stopped:
             wake.clear()

@@ -139,7 +139,7 @@ class Kube(JsonApi):
         return list(answer["items"])
 
     def create(self, namespace: str, resource: str, body: dict[str, Any]) -> dict[str, Any]:
-        """POST `body` to a core (`pods`, `secrets`) or policy resource collection."""
+        """POST `body` to a core (`pods`, `secrets`), policy or PodGroup resource collection."""
         return dict(self.request("POST", _collection(namespace, resource), body))
 
     def get(self, namespace: str, resource: str, name: str) -> dict[str, Any] | None:
@@ -166,7 +166,11 @@ class Kube(JsonApi):
         return list(self.request("GET", "/api/v1/nodes")["items"])
 
 
+_APIS = {
+    "poddisruptionbudgets": "/apis/policy/v1",
+    "podgroups": "/apis/scheduling.x-k8s.io/v1alpha1",
+}
+
+
 def _collection(namespace: str, resource: str) -> str:
-    if resource == "poddisruptionbudgets":
-        return f"/apis/policy/v1/namespaces/{namespace}/{resource}"
-    return f"/api/v1/namespaces/{namespace}/{resource}"
+    return f"{_APIS.get(resource, '/api/v1')}/namespaces/{namespace}/{resource}"

@@ -1,4 +1,5 @@
-"""`liveshard-operator`: run the operator (kopf) over some namespaces or the whole cluster."""
+"""`liveshard-operator`: run the operator (kopf) over some namespaces or the whole cluster, and
+serve its Prometheus metrics."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import logging
 import kopf
 
 from . import handlers
+from .metrics import DEFAULT_PORT
+
+log = logging.getLogger(__name__)
 
 
 @kopf.on.startup()
@@ -25,6 +29,14 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--namespace", action="append", help="a namespace to watch (repeatable)")
     where.add_argument("--all-namespaces", action="store_true", help="watch every namespace")
     parser.add_argument("--liveness", help="serve kopf's health check at this URL")
+    parser.add_argument(
+        "--metrics-port", type=_port, default=DEFAULT_PORT,
+        help=f"serve Prometheus metrics at /metrics on this port; 0: none (default {DEFAULT_PORT})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--metrics-address", default="0.0.0.0",
+        help="the address to serve metrics on (the chart gives the pod's IP; default 0.0.0.0)",
+    )  # fmt: skip
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -32,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     assert handlers.run_job  # the handlers register on import
+    if args.metrics_port:
+        serve_metrics(args.metrics_address, args.metrics_port)
     kopf.run(
         standalone=True,
         clusterwide=args.all_namespaces,
@@ -39,3 +53,21 @@ def main(argv: list[str] | None = None) -> int:
         liveness_endpoint=args.liveness,
     )
     return 0
+
+
+def serve_metrics(address: str, port: int) -> None:
+    """Serve the operator's metrics, or log why not: jobs are worth more than their metrics
+    (operators sharing one address, as local test runs may, find the default port taken)."""
+    try:
+        handlers.METRICS.serve(address, port)
+    except OSError as err:
+        log.warning("no metrics: cannot serve on %s:%s: %s", address, port, err)
+        return
+    log.info("serving metrics at %s:%s/metrics", address, port)
+
+
+def _port(text: str) -> int:
+    port = int(text) if text.isdigit() else -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number in 0..65535")
+    return port

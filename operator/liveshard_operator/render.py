@@ -68,6 +68,25 @@ def disruption_budget(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+POD_GROUP_API = "scheduling.x-k8s.io/v1alpha1"  # scheduler-plugins' coscheduling
+POD_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
+
+
+def pod_group(job: dict[str, Any], spec: JobSpec) -> dict[str, Any]:
+    """The job's PodGroup (spec.scheduling.gang): the scheduler places none of its pods until it
+    can place minReplicas of them together, so the job never holds part of its minimum."""
+    name = job["metadata"]["name"]
+    group = {"minMember": spec.min_replicas}
+    if spec.pending_timeout:  # how long the scheduler tries to place the group at once
+        group["scheduleTimeoutSeconds"] = int(spec.pending_timeout)
+    return {
+        "apiVersion": POD_GROUP_API,
+        "kind": "PodGroup",
+        "metadata": {"name": name, "labels": {JOB_LABEL: name}, "ownerReferences": [owner(job)]},
+        "spec": group,
+    }
+
+
 def selector(job_name: str) -> str:
     """The scale subresource's selector: the members of the world in effect."""
     return f"{JOB_LABEL}={job_name},{ROLE_LABEL}={MEMBER}"
@@ -99,6 +118,8 @@ def worker_pod(job: dict[str, Any], spec: JobSpec) -> dict[str, Any]:
     grace = spec.deadlines.prepare + spec.deadlines.switch + 60
     pod_spec.setdefault("terminationGracePeriodSeconds", int(grace))
     labels = {**(metadata.get("labels") or {}), JOB_LABEL: name, ROLE_LABEL: STANDBY}
+    if spec.gang:
+        labels[POD_GROUP_LABEL] = name
     return {
         "apiVersion": "v1",
         "kind": "Pod",

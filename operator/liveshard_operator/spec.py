@@ -72,6 +72,7 @@ class JobSpec:
     restore_from: str
     port: int
     pending_timeout: float  # seconds a scheduled pod that is not ready may hold the job up
+    gang: bool  # its pods are scheduled as a PodGroup of minReplicas
     suspend: bool  # save the state to a checkpoint and release every pod until it is false
     template: dict[str, Any] = field(repr=False)
 
@@ -84,6 +85,7 @@ class JobSpec:
         reconf = spec.get("reconfiguration") or {}
         ckpt = spec.get("checkpoint") or {}
         template = spec.get("template") or {}
+        scheduling = spec.get("scheduling") or {}
         if ckpt.get("exportTo") and not ckpt.get("path"):
             raise InvalidInput(
                 "spec.checkpoint.exportTo needs spec.checkpoint.path: the export is written from "
@@ -121,9 +123,8 @@ class JobSpec:
             export_to=ckpt.get("exportTo"),
             restore_from=str(ckpt.get("restoreFrom") or ""),
             port=int(spec.get("port", DEFAULT_PORT)),
-            pending_timeout=float(
-                (spec.get("scheduling") or {}).get("pendingTimeoutSeconds", PENDING_TIMEOUT)
-            ),
+            pending_timeout=float(scheduling.get("pendingTimeoutSeconds", PENDING_TIMEOUT)),
+            gang=bool(scheduling.get("gang", False)),
             suspend=bool(spec.get("suspend", False)),
             template=template,
         )

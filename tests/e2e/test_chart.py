@@ -1,7 +1,8 @@
 """The Helm chart (charts/liveshard): its CRD is crds/ byte for byte, `helm lint` is clean, what it
 renders is accepted by the API server, the operator's RBAC is exactly what the operator uses (a
-pod running as its ServiceAccount gets 403 for the rest), and `helm install --wait` brings up a
-ready, non-root operator pod.
+pod running as its ServiceAccount gets 403 for the rest), the metrics' Service, monitors,
+NetworkPolicy rules and Grafana dashboard are what docs/metrics.md says, and `helm install --wait`
+brings up a ready, non-root operator pod.
 
 The rendering tests need only the helm binary. The others need the local cluster; they install
 the chart with a stand-in operator (a health endpoint at the address the chart passes in
@@ -70,10 +71,19 @@ def test_chart_crd_is_a_byte_copy_of_crds() -> None:
     assert check.returncode == 0, check.stderr
 
 
+METRICS_ON = [
+    "--set", "metrics.serviceMonitor.enabled=true", "--set", "metrics.dashboard.enabled=true",
+]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "values",
-    [[], ["--set", "watchNamespaces={a,b}", "--set", "networkPolicy.enabled=true"]],
-    ids=["defaults", "namespaced-with-network-policy"],
+    [
+        [],
+        ["--set", "watchNamespaces={a,b}", "--set", "networkPolicy.enabled=true"],
+        [*METRICS_ON, "--set", "networkPolicy.enabled=true"],
+    ],
+    ids=["defaults", "namespaced-with-network-policy", "monitors-and-dashboard"],
 )
 def test_helm_lint_is_clean(helm: Path, values: list[str]) -> None:
     result = subprocess.run(
@@ -92,6 +102,21 @@ def test_values_schema_refuses_a_misspelt_key(helm: Path) -> None:
     )
     assert result.returncode != 0
     assert "additional properties 'watchNamespace' not allowed" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("value", "refusal"),
+    [
+        ("metrics.serviceMonitor.enable=true", "additional properties 'enable' not allowed"),
+        ("metrics.podMonitor.interval=often", "does not match pattern"),
+        ("metrics.port=0", "minimum"),
+    ],
+)
+def test_values_schema_refuses_bad_metrics_values(helm: Path, value: str, refusal: str) -> None:
+    result = subprocess.run(
+        [str(helm), "template", "rel", str(CHART), "--set", value], capture_output=True, text=True
+    )
+    assert result.returncode != 0 and refusal in result.stderr, result.stderr
 
 
 def _grants(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
@@ -119,6 +144,7 @@ NAMESPACED = _expand(
         ("", "pods"): "get list watch create patch delete",
         ("", "secrets"): "get create",
         ("policy", "poddisruptionbudgets"): "get create",
+        ("scheduling.x-k8s.io", "podgroups"): "get create",
         ("", "events"): "create",
     }
 )
@@ -157,7 +183,12 @@ def test_deployment_runs_one_non_root_operator_with_probes(helm: Path) -> None:
     assert pod["securityContext"]["runAsNonRoot"] is True
     (container,) = pod["containers"]
     assert container["command"] == ["liveshard-operator"]
-    assert container["args"] == ["--all-namespaces", "--liveness=http://$(POD_IP):8080/healthz"]
+    assert container["args"] == [
+        "--all-namespaces",
+        "--liveness=http://$(POD_IP):8080/healthz",
+        "--metrics-address=$(POD_IP)",
+        "--metrics-port=9401",
+    ]
     assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in (
         container["env"]
     )
@@ -167,7 +198,10 @@ def test_deployment_runs_one_non_root_operator_with_probes(helm: Path) -> None:
     assert security["capabilities"] == {"drop": ["ALL"]}
     for probe in ("livenessProbe", "readinessProbe"):
         assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
-    assert container["ports"] == [{"name": "health", "containerPort": 8080, "protocol": "TCP"}]
+    assert container["ports"] == [
+        {"name": "health", "containerPort": 8080, "protocol": "TCP"},
+        {"name": "metrics", "containerPort": 9401, "protocol": "TCP"},
+    ]
     assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
 
     listed = _one(_render(helm, "--set", "watchNamespaces={team-a,team-b}"), "Deployment")
@@ -184,7 +218,7 @@ def test_network_policy_opens_agent_ports_to_the_operator_and_workers_only(helm:
         policy = _one(objects, "NetworkPolicy", namespace)["spec"]
         assert policy["podSelector"] == workers
         assert policy["policyTypes"] == ["Ingress"]
-        from_operator, from_workers = policy["ingress"]
+        from_operator, from_workers, scrapers = policy["ingress"]
         assert from_operator == {
             "from": [
                 {
@@ -196,6 +230,129 @@ def test_network_policy_opens_agent_ports_to_the_operator_and_workers_only(helm:
         }
         # Workers talk to each other on any port: agents, the c10d store, the collectives.
         assert from_workers == {"from": [{"podSelector": workers}]}
+        # Anyone may scrape the metrics port (networkPolicy.metricsFrom is empty): that alone.
+        assert scrapers == {"ports": [{"protocol": "TCP", "port": "metrics"}]}
+    # The operator's pod: its health and metrics ports, from anywhere, and nothing else.
+    operator = _one(objects, "NetworkPolicy", "ops")["spec"]
+    assert operator["podSelector"] == {"matchLabels": operator_labels}
+    assert operator["ingress"] == [
+        {"ports": [{"protocol": "TCP", "port": "health"}]},
+        {"ports": [{"protocol": "TCP", "port": "metrics"}]},
+    ]
+
+
+def test_network_policy_opens_metrics_ports_to_metrics_from_only(helm: Path) -> None:
+    monitoring = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "mon"}}}
+    objects = _render(
+        helm, "--set", "networkPolicy.enabled=true",
+        "--set-json", f"networkPolicy.metricsFrom=[{json.dumps(monitoring)}]",
+    )  # fmt: skip
+    policies = [o["spec"] for o in objects if o["kind"] == "NetworkPolicy"]
+    assert len(policies) == 2  # the operator's and the workers', both in the release's namespace
+    for policy in policies:
+        (rule,) = [r for r in policy["ingress"] if {"protocol": "TCP", "port": "metrics"} in (
+            r.get("ports") or []
+        )]  # fmt: skip
+        assert rule == {"ports": [{"protocol": "TCP", "port": "metrics"}], "from": [monitoring]}
+
+
+def test_operator_metrics_are_served_on_the_pod_ip_behind_a_service(helm: Path) -> None:
+    objects = _render(helm, "--set", "metrics.port=9500")
+    deployment = _one(objects, "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert "--metrics-port=9500" in container["args"]
+    assert "--metrics-address=$(POD_IP)" in container["args"]
+    assert {"name": "metrics", "containerPort": 9500, "protocol": "TCP"} in container["ports"]
+    service = _one(objects, "Service")
+    assert service["metadata"]["namespace"] == "ops"
+    assert service["spec"]["type"] == "ClusterIP"
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    assert service["spec"]["ports"] == [
+        {"name": "metrics", "port": 9500, "targetPort": "metrics", "protocol": "TCP"}
+    ]
+
+
+def test_monitors_render_only_when_enabled_and_keep_the_series_job_label(helm: Path) -> None:
+    monitors = ("ServiceMonitor", "PodMonitor", "ConfigMap")
+    assert not [o for o in _render(helm) if o["kind"] in monitors]
+    objects = _render(
+        helm, "--set", "metrics.serviceMonitor.enabled=true",
+        "--set", "metrics.serviceMonitor.labels.release=prom",
+    )  # fmt: skip
+    service = _one(objects, "Service")
+    monitor = _one(objects, "ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    selected = monitor["spec"]["selector"]["matchLabels"]
+    assert selected.items() <= service["metadata"]["labels"].items()
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["ops"]}
+    assert monitor["spec"]["endpoints"] == [
+        {"port": "metrics", "path": "/metrics", "interval": "30s", "honorLabels": True}
+    ]
+    workers = _one(objects, "PodMonitor")
+    assert workers["metadata"]["labels"]["release"] == "prom"
+    assert workers["spec"]["selector"] == {
+        "matchExpressions": [{"key": "liveshard.io/job", "operator": "Exists"}]
+    }
+    assert workers["spec"]["namespaceSelector"] == {"any": True}
+    assert workers["spec"]["podMetricsEndpoints"] == [
+        {"port": "metrics", "path": "/metrics", "interval": "15s", "honorLabels": True}
+    ]
+    listed = _render(
+        helm, "--set", "metrics.serviceMonitor.enabled=true", "--set", "watchNamespaces={a,b}"
+    )
+    selector = _one(listed, "PodMonitor")["spec"]["namespaceSelector"]
+    assert selector == {"matchNames": ["a", "b"]}
+
+
+DASHBOARD = CHART / "dashboards" / "liveshard.json"
+METRICS_DOC = ROOT / "docs" / "metrics.md"
+
+
+def _documented_series() -> set[str]:
+    """The series docs/metrics.md lists in its tables (the first column's names)."""
+    return set(re.findall(r"^\| `(liveshard_\w+)` \|", METRICS_DOC.read_text(), re.MULTILINE))
+
+
+def _series_in(expression: str) -> set[str]:
+    """The series an expression names, a histogram's _bucket, _sum and _count by its own name."""
+    return {
+        re.sub(r"_(bucket|sum|count)$", "", n) for n in re.findall(r"liveshard_\w+", expression)
+    }
+
+
+def test_dashboard_renders_with_the_sidecar_label_and_queries_documented_series(
+    helm: Path,
+) -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert not [o for o in _render(helm) if o["kind"] == "ConfigMap"]
+    objects = _render(helm, "--set", "metrics.dashboard.enabled=true")
+    config_map = _one(objects, "ConfigMap")
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert config_map["metadata"]["namespace"] == "ops"
+    assert json.loads(config_map["data"]["liveshard.json"]) == dashboard
+    elsewhere = _render(helm, "--set", "metrics.dashboard.enabled=true",
+                        "--set", "metrics.dashboard.namespace=grafana")  # fmt: skip
+    assert _one(elsewhere, "ConfigMap")["metadata"]["namespace"] == "grafana"
+
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["job"]["multi"] and "liveshard_" in variables["job"]["definition"]
+    titles = {p["title"]: [t["expr"] for t in p["targets"]] for p in dashboard["panels"]}
+    wanted = {
+        "Loss": "liveshard_loss",
+        "Tokens per second": "liveshard_tokens_per_second",
+        "Step": "liveshard_step",
+        "Members by phase": "liveshard_operator_members",
+    }
+    for title, series in wanted.items():
+        assert any(series in e and "$job" in e for e in titles[title]), (title, titles[title])
+    (reconfigurations,) = [a for a in dashboard["annotations"]["list"] if a.get("expr")]
+    assert "liveshard_reconfigurations_total" in reconfigurations["expr"]
+    expressions = [e for exprs in titles.values() for e in exprs]
+    expressions += [reconfigurations["expr"], variables["job"]["definition"]]
+    documented = _documented_series()
+    for expression in expressions:
+        assert _series_in(expression) <= documented, expression
 
 
 def test_rendered_chart_passes_server_side_dry_run(kube: Kube, helm: Path) -> None:
@@ -208,6 +365,8 @@ def test_rendered_chart_passes_server_side_dry_run(kube: Kube, helm: Path) -> No
                 f'watchNamespaces=["{kube.namespace}","{other.namespace}"]',
                 "--set",
                 "networkPolicy.enabled=true",
+                "--set",
+                "metrics.dashboard.enabled=true",
             ],
         ]
         for values in variants:
@@ -283,7 +442,12 @@ def test_install_waits_for_a_ready_operator_that_passes_restricted_pod_security(
     # It serves its health endpoint on the pod's IP, as the chart told it to.
     ip = pod["status"]["podIP"]
     args = json.loads(kube.logs(pod["metadata"]["name"]).split("ARGS ", 1)[1].splitlines()[0])
-    assert args == ["--all-namespaces", f"--liveness=http://{ip}:8080/healthz"]
+    assert args == [
+        "--all-namespaces",
+        f"--liveness=http://{ip}:8080/healthz",
+        f"--metrics-address={ip}",
+        "--metrics-port=9401",
+    ]
 
     kube.run("helm", "uninstall", release, "-n", kube.namespace, "--wait", "--timeout=60s")
     assert (
@@ -441,6 +605,8 @@ def test_real_operator_starts_its_first_job_under_the_chart_rbac(
     log = kube.logs(operator["metadata"]["name"])
     refusals = re.findall(r".*(?:\b403\b|Forbidden|Not enough permissions).*", log)
     assert not refusals, "\n".join(refusals[:10])
+    # It serves its metrics where the chart told it to: the pod's IP, the `metrics` port.
+    assert f"serving metrics at {operator['status']['podIP']}:9401/metrics" in log
     # The operator removes its finalizer; the workers go with their owner.
     kube.kubectl("delete", "etj", "tiny", "--timeout=60s")
     wait_until(lambda: not kube.pods("liveshard.io/job=tiny"), 60, "the job's workers gone")

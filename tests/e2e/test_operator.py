@@ -33,6 +33,7 @@ from liveshard_e2e.waiting import wait_until
 from tests.e2e.deployment import API, CHART, example, install_crd, release_name
 
 JOB = "tiny"
+PODGROUP_CRD = Path(__file__).with_name("podgroup-crd.yaml")
 GLOBAL_BATCH = 24
 STARTUP = 240  # seconds: pods start one torch import each, on 2 cores
 
@@ -297,6 +298,23 @@ def test_a_suspended_job_resumes_in_another_layout_at_the_same_step(
         agent = agent_status(kube, pods[name], secret)
         assert agent.samples == agent.step * GLOBAL_BATCH, (name, agent.samples, agent.step)
     steps.wait(lambda s: s.get("step", 0) > resumed["step"], "training on after the resume")
+
+
+def test_gang_scheduling_puts_the_workers_in_a_pod_group_of_the_minimum(operator: Kube) -> None:
+    kube = operator
+    kube.run("kubectl", "apply", "--server-side", "-f", str(PODGROUP_CRD))
+    crd = "crd/podgroups.scheduling.x-k8s.io"
+    wait_until(lambda: kube.run("kubectl", "get", crd, check=False).returncode == 0 or None, 60,
+               "the PodGroup kind served")  # fmt: skip
+    kube.apply(job(3, minReplicas=2, scheduling={"gang": True, "pendingTimeoutSeconds": 120}))
+    path = f"/apis/scheduling.x-k8s.io/v1alpha1/namespaces/{kube.namespace}/podgroups/{JOB}"
+    group = wait_until(lambda: kube.get(path), 60, "the job's PodGroup")
+    assert group["spec"] == {"minMember": 2, "scheduleTimeoutSeconds": 120}
+    (owner,) = group["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["name"]) == ("ElasticTrainingJob", JOB)
+    pods = wait_until(lambda: len(members(kube)) == 3 and members(kube), 60, "3 workers")
+    for name, pod in pods.items():
+        assert pod["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == JOB, name
 
 
 def test_a_worker_killed_without_notice_is_recovered_from_its_replicas(operator: Kube) -> None:

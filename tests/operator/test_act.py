@@ -10,10 +10,12 @@ from typing import Any
 import grpc
 import pytest
 from liveshard_operator import controller as controller_module
+from liveshard_operator import render
 from liveshard_operator.act import Executor
 from liveshard_operator.agents import AgentClient, AgentError
 from liveshard_operator.controller import JobController
 from liveshard_operator.decide import decide
+from liveshard_operator.kube import ApiError
 from liveshard_operator.observation import Observation
 from liveshard_operator.world import Record
 
@@ -185,3 +187,33 @@ def test_the_controller_observes_decides_and_acts(monkeypatch: pytest.MonkeyPatc
     clients.update({m: FakeAgent(m, calls) for m in pods.pods})  # type: ignore[misc]
     assert controller.reconcile()
     assert kinds(calls)[:2] == ["host_store p0", "status"]
+
+
+class NoPodGroups(FakeKube):
+    """An API server without the PodGroup kind, and none of the job's objects yet."""
+
+    def get(self, namespace: str, resource: str, name: str) -> dict[str, Any] | None:
+        return None if resource == "podgroups" else super().get(namespace, resource, name)
+
+    def create(self, namespace: str, resource: str, body: dict[str, Any]) -> dict[str, Any]:
+        if resource == "podgroups":
+            self.calls.append(("create", resource, body))
+            raise ApiError("POST", "/apis/scheduling.x-k8s.io/...", 404, "404 page not found")
+        return super().create(namespace, resource, body)
+
+
+def test_a_gang_job_gets_its_pod_group_or_a_condition_naming_the_missing_kind() -> None:
+    calls: Calls = []
+    gang = job(3, minReplicas=2, scheduling={"gang": True, "pendingTimeoutSeconds": 90})
+    assert render.worker_pod(gang.body, gang.spec)["metadata"]["labels"][
+        render.POD_GROUP_LABEL
+    ] == "tiny"  # fmt: skip
+    assert render.POD_GROUP_LABEL not in render.worker_pod(BODY, job().spec)["metadata"]["labels"]
+    controller = JobController(NoPodGroups(calls, gang.body), "ns", "tiny", lambda *_: None)  # type: ignore[arg-type]
+    assert controller.reconcile()
+    (created, status) = calls
+    assert created[:2] == ("create", "podgroups")
+    assert created[2]["spec"] == {"minMember": 2, "scheduleTimeoutSeconds": 90}
+    assert created[2]["metadata"]["ownerReferences"][0]["name"] == "tiny"
+    ready = next(c for c in status[1]["conditions"] if c["type"] == "Ready")
+    assert ready["reason"] == "InvalidSpec" and "serves no PodGroup" in ready["message"]

@@ -74,6 +74,10 @@ liveshard_operator call (tests/e2e/test_chart.py runs the operator under them).
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, create]
+# A gang-scheduled job's PodGroup (scheduler-plugins' coscheduling), when its kind is installed.
+- apiGroups: [scheduling.x-k8s.io]
+  resources: [podgroups]
+  verbs: [get, create]
 # An Event per reconfiguration (and kopf's own).
 - apiGroups: [""]
   resources: [events]
