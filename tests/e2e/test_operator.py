@@ -34,6 +34,7 @@ from tests.e2e.deployment import API, CHART, example, install_crd, release_name
 
 JOB = "tiny"
 PODGROUP_CRD = Path(__file__).with_name("podgroup-crd.yaml")
+OPERATOR_METRICS_PORT = 9401  # the chart's metrics.port
 GLOBAL_BATCH = 24
 STARTUP = 240  # seconds: pods start one torch import each, on 2 cores
 
@@ -125,9 +126,10 @@ def agent_status(kube: Kube, pod: dict[str, Any], token: str | None) -> pb.Agent
                                                     metadata=metadata)  # fmt: skip
 
 
-def metrics(pod: dict[str, Any]) -> dict[tuple[str, str], float]:
-    """A worker's Prometheus metrics: (series, its phase or result label) -> value."""
-    url = f"http://{pod['status']['podIP']}:{DEFAULT_METRICS_PORT}/metrics"
+def metrics(pod: dict[str, Any], port: int = DEFAULT_METRICS_PORT) -> dict[tuple[str, str], float]:
+    """A pod's Prometheus metrics (a worker's by default): (series, its phase or result label)
+    -> value."""
+    url = f"http://{pod['status']['podIP']}:{port}/metrics"
     with urllib.request.urlopen(url, timeout=10) as answer:
         text = answer.read().decode()
     out = {}
@@ -194,6 +196,11 @@ def test_scale_down_and_up_live(operator: Kube) -> None:
                    > f[("liveshard_step", "")], 60, f"{name}'s step metric rising")  # fmt: skip
         switched = first_scrape[("liveshard_reconfigurations_total", "committed")]
         assert switched >= (2 if name in survivors else 1), (name, switched)
+    # The operator's: its passes timed, the job's members by phase.
+    (operator_pod,) = kube.pods("app.kubernetes.io/name=liveshard")
+    seen = metrics(operator_pod, OPERATOR_METRICS_PORT)
+    assert seen[("liveshard_operator_reconcile_seconds_count", "")] > 0
+    assert seen[("liveshard_operator_members", "training")] == 3
 
 
 def test_drain_moves_a_worker_out_before_it_is_killed(operator: Kube) -> None:
