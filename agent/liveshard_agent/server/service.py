@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Protocol
 
@@ -71,6 +72,8 @@ class AgentService:
         self.use_deadlines = use_deadlines  # runs on the loop's thread as a Prepare is taken
         self.host_store = host_store
         self.stores: dict[int, Store] = {}  # by epoch: the one in effect and the newest asked
+        self._store_maker = ThreadPoolExecutor(1, thread_name_prefix="store")
+        self._spare = self._make_store()
         self.accepted: dict[int, pb.PrepareRequest] = {}  # every epoch this agent was asked for
         self.checkpoints: dict[int, pb.CheckpointRequest] = {}
         self.drops: dict[int, Ticket] = {}
@@ -120,8 +123,9 @@ class AgentService:
                 _after_in_effect(epoch, snapshot)
                 pending = snapshot.pending
                 self._drop_stores(snapshot.observed.epoch, pending.epoch if pending else None)
+                spare, self._spare = self._spare, self._make_store()
                 try:
-                    store = self.host_store(StoreAddress(self.pod_ip, 0), self.job.deadlines.op)
+                    store = spare.result()
                 except RuntimeError as err:  # torch's: no free port, the address is gone
                     raise NotNow(f"cannot host a store on {self.pod_ip}: {err}") from None
                 self.stores[epoch] = store
@@ -129,6 +133,13 @@ class AgentService:
                               store.port)  # fmt: skip
             port = self.stores[epoch].port
         return pb.HostStoreResponse(address=pb.StoreAddress(host=self.pod_ip, port=port))
+
+    def _make_store(self) -> Future[Store]:
+        """A store started in the background, ready for the next epoch asked for: starting
+        torch's TCPStore now and then takes 5 s, which no reconfiguration should wait for."""
+        return self._store_maker.submit(
+            self.host_store, StoreAddress(self.pod_ip, 0), self.job.deadlines.op
+        )
 
     def _drop_stores(self, *keep: int | None) -> None:
         """Free every hosted store but those of the epochs in `keep` (the one in effect here and
