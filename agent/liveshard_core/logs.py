@@ -32,10 +32,19 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, default=str)
 
 
+class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """The handler `configure` installs (and replaces when called again)."""
+
+
 def configure(level: str | int, form: str = "text") -> None:
-    """Log to stderr at `level` in `form` (one of FORMATS)."""
+    """Log to stderr at `level` in `form` (one of FORMATS), in place of what an earlier call
+    installed; other handlers (a test's capture) stay."""
     if form not in FORMATS:
         raise ValueError(f"log format {form!r} must be one of {', '.join(FORMATS)}")
-    handler = logging.StreamHandler(sys.stderr)
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if isinstance(h, _Stderr)]:
+        root.removeHandler(old)
+    handler = _Stderr(sys.stderr)
     handler.setFormatter(JsonFormatter() if form == "json" else logging.Formatter(TEXT))
-    logging.basicConfig(level=level, handlers=[handler], force=True)
+    root.addHandler(handler)
+    root.setLevel(level)

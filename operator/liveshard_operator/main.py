@@ -8,6 +8,8 @@ import logging
 
 import kopf
 
+from liveshard_core import logs
+
 from . import handlers
 from .metrics import DEFAULT_PORT
 
@@ -37,12 +39,13 @@ def main(argv: list[str] | None = None) -> int:
         "--metrics-address", default="0.0.0.0",
         help="the address to serve metrics on (the chart gives the pod's IP; default 0.0.0.0)",
     )  # fmt: skip
+    parser.add_argument(
+        "--log-format", choices=logs.FORMATS, default="text",
+        help="text, or json: one JSON object per log line (default text)",
+    )  # fmt: skip
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logs.configure(logging.DEBUG if args.verbose else logging.INFO, args.log_format)
     assert handlers.run_job  # the handlers register on import
     if args.metrics_port:
         serve_metrics(args.metrics_address, args.metrics_port)

@@ -23,6 +23,7 @@ from liveshard_operator.metrics import MEMBER_PHASES, Metrics
 from liveshard_operator.world import Record
 from prometheus_client import generate_latest
 
+from liveshard_core.logs import JsonFormatter
 from tests.operator.test_act import Calls, FakeAgent, FakeKube
 from tests.operator.test_decide import GROW, W2
 from tests.operator.values import BODY, NOW, job, pod, seen, standby, starting, training
@@ -209,3 +210,13 @@ def test_every_series_the_operator_exports_is_in_docs_metrics_md() -> None:
 
 def _exposition(metrics: Metrics) -> str:
     return generate_latest(metrics.registry).decode()
+
+
+def test_the_command_logs_json_lines_when_told(served: list[tuple[str, int]]) -> None:
+    def formats() -> list[bool]:
+        return [isinstance(h.formatter, JsonFormatter) for h in logging.getLogger().handlers]
+
+    main_module.main(["--all-namespaces", "--log-format=json"])
+    assert formats().count(True) == 1
+    main_module.main(["--all-namespaces"])
+    assert formats().count(True) == 0
