@@ -2,7 +2,8 @@
 
 It brings up the local cluster, installs the chart with helm (the operator), applies the example
 `tiny` job (the built-in Qwen3-format model `qwen3-tiny` on BPE tokens), scales it 4 -> 2 -> 3
-with `kubectl scale`, drains the node of one worker, kills a worker without notice, and prints
+with `kubectl scale`, drains the node of one worker, kills a worker without notice, suspends it
+and resumes it on 2 workers in another layout, and prints
 as it goes each reconfiguration's reason, layouts, pause and bytes, and the loss going on.
 
     python -m liveshard_e2e.demo [--keep]
@@ -71,6 +72,7 @@ class Narrator:
                 "Reconfiguring",
                 "Reconfigured",
                 "ReconfigurationAborted",
+                "Suspended",
             ):
                 continue
             self.events.add(event["metadata"]["uid"])
@@ -110,6 +112,8 @@ def run(keep: bool) -> None:
         )
         body = yaml.safe_load((ROOT / "examples" / "tiny-job.yaml").read_text())
         body["spec"]["parallelism"]["zero"] = 0
+        # Where a suspended job keeps its state (the workers are local processes here).
+        body["spec"]["checkpoint"] = {"path": str(cluster.run_dir("demo") / "checkpoints")}
         kube.apply(body)
         narrator.wait(_running(4), "the job training with 4 members", STARTUP)
         epoch = narrator.status()["epoch"]
@@ -136,6 +140,17 @@ def run(keep: bool) -> None:
                      "without notice, its memory with it)")  # fmt: skip
         kube.kubectl("delete", "pod", victim, "--grace-period=0", "--force")
         narrator.wait(_running(3, epoch + 1), "the job recovered and back on 3 members", STARTUP)
+        epoch = narrator.status()["epoch"]
+        time.sleep(10)
+        narrator.say("kubectl patch etj/tiny: suspend (as Kueue does to make room): the state is "
+                     "saved, every pod released")  # fmt: skip
+        kube.kubectl("patch", f"etj/{JOB}", "--type=merge", "-p", '{"spec":{"suspend":true}}')
+        narrator.wait(lambda s: s.get("phase") == "Suspended", "the job suspended", STARTUP)
+        narrator.say(f"suspended at step {narrator.status()['step']}; "
+                     "resuming on 2 members, another layout")  # fmt: skip
+        resume = '{"spec":{"suspend":false,"replicas":2}}'
+        kube.kubectl("patch", f"etj/{JOB}", "--type=merge", "-p", resume)
+        narrator.wait(_running(2, epoch), "the job resumed on 2 members", STARTUP)
         time.sleep(10)
         final = narrator.status()
         narrator.stop.set()
