@@ -18,6 +18,10 @@ in one run:
   (`spec.checkpoint.restoreFrom`), timed from the deletion to the moment a member reports
   training past the checkpoint's step: process start, `import torch`, the world's groups and the
   load included.
+- capacity as it lands: a job of 4 (minReplicas 2) whose workers fit only 2 to a node, with one
+  node open: the time from the apply to training with 2; then a second node opens (uncordon): the
+  time from that to a member training in the grown layout, both new pods joining in one
+  reconfiguration (the scheduling, the processes' start and pre-warm included), and its pause.
 
     python bench/k8s.py [--out bench/results/k8s.json]
 """
@@ -30,6 +34,7 @@ import json
 import os
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -185,6 +190,52 @@ def restart(kube: Kube, replicas: int, directory: str, number: int) -> dict[str,
     }
 
 
+def _scheduled_at(pod: dict[str, Any]) -> float:
+    """When the scheduler placed `pod` (seconds since the epoch, to the second)."""
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    placed = next(c for c in conditions if c["type"] == "PodScheduled" and c["status"] == "True")
+    return datetime.fromisoformat(placed["lastTransitionTime"]).timestamp()
+
+
+def landing(kube: Kube, nodes: list[str]) -> dict[str, Any]:
+    """A job of 4 (at least 2) where only 2 workers fit: it starts with 2; then a node opens and
+    both pods that land there join in one reconfiguration."""
+    kube.kubectl("delete", "etj", JOB, "--wait=true", timeout=180)
+    body = _job(4)
+    body["spec"]["minReplicas"] = 2
+    # 3.5 of a node's 8 CPUs each: 2 workers fit a node, and only one node is open.
+    body["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]["cpu"] = "3500m"
+    kube.run("kubectl", "cordon", *nodes[1:])
+    try:
+        start = time.perf_counter()
+        kube.apply(body)
+        first = _training(kube, 2)
+        started = time.perf_counter() - start
+        stayer = Agent(kube, first["members"][0])
+        time.sleep(5)
+        start, opened = time.perf_counter(), time.time()
+        kube.run("kubectl", "uncordon", nodes[1])
+        new_epoch = _new_epoch(stayer, first["epoch"])
+        seconds = time.perf_counter() - start
+        grown = _training(kube, 4, first["epoch"])
+    finally:
+        kube.run("kubectl", "uncordon", *nodes[1:], check=False)
+    last = grown["lastReconfiguration"]
+    assert last["result"] == "committed" and last["epoch"] == new_epoch, last
+    joined = [kube.pod(m) or {} for m in grown["members"] if m not in first["members"]]
+    scheduled = max(_scheduled_at(pod) for pod in joined)
+    return {
+        "start_with_2_of_4_seconds": round(started, 3),
+        "grow": last["reason"],
+        "from": last["from"],
+        "to": last["to"],
+        "uncordon_to_first_step_seconds": round(seconds, 3),
+        "of_which_scheduling_seconds": round(scheduled - opened, 1),  # stamps are whole seconds
+        "pause_seconds": last["pauseSeconds"],
+        "bytes_moved": last["bytesMoved"],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="also write the results to this JSON file")
@@ -210,6 +261,7 @@ def main() -> None:
         resizes = [live(kube, 2), live(kube, 3)]
         recovery = lost(kube)
         restarts = [restart(kube, 2, scratch, 1), restart(kube, 3, scratch, 2)]
+        arrival = landing(kube, list(info.nodes))
         # Today a lost worker means restarting the survivors from the last checkpoint.
         recovery["checkpoint_restart_seconds"] = restarts[0]["delete_recreate_resume_seconds"]
         recovery["speedup_end_to_end"] = round(
@@ -226,6 +278,7 @@ def main() -> None:
         result = {
             "machine": machine("local cluster (process kubelet), gloo on CPU"),
             "live": resizes, "lost": recovery, "checkpoint_restart": restarts,
+            "landing": arrival,
         }  # fmt: skip
         print(json.dumps(result, indent=1), flush=True)
         write_json(args.out, result)
