@@ -68,6 +68,11 @@ def disruption_budget(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# The workers' defaults where the template sets none: the "restricted" Pod Security Standard
+# (the agent image runs as 65532). The root filesystem stays writable: torch and the tokenizers
+# write caches under the home directory.
+POD_SECURITY = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+AGENT_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 POD_GROUP_API = "scheduling.x-k8s.io/v1alpha1"  # scheduler-plugins' coscheduling
 POD_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
 
@@ -111,7 +116,11 @@ def worker_pod(job: dict[str, Any], spec: JobSpec) -> dict[str, Any]:
         "readinessProbe",
         {"tcpSocket": {"port": spec.port}, "periodSeconds": 2, "failureThreshold": 3},
     )
+    agent.setdefault("securityContext", copy.deepcopy(AGENT_SECURITY))
     pod_spec["containers"] = containers
+    pod_spec.setdefault("securityContext", copy.deepcopy(POD_SECURITY))
+    # The agent never calls the API server: worker code gets no credential for it.
+    pod_spec.setdefault("automountServiceAccountToken", False)
     # A crashed agent has lost its state: the operator replaces the pod, nothing restarts it.
     pod_spec["restartPolicy"] = "Never"
     # Long enough for the job to move a leaving pod's state out before it is killed.

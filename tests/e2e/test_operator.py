@@ -307,8 +307,13 @@ def test_a_suspended_job_resumes_in_another_layout_at_the_same_step(
     steps.wait(lambda s: s.get("step", 0) > resumed["step"], "training on after the resume")
 
 
-def test_gang_scheduling_puts_the_workers_in_a_pod_group_of_the_minimum(operator: Kube) -> None:
+def test_gang_scheduled_workers_form_a_pod_group_and_pass_restricted_pod_security(
+    operator: Kube,
+) -> None:
     kube = operator
+    # Pods that are not restricted-compliant (root, privilege escalation, ...) are refused here.
+    restricted = "pod-security.kubernetes.io/enforce=restricted"
+    kube.run("kubectl", "label", "namespace", kube.namespace, restricted)
     kube.run("kubectl", "apply", "--server-side", "-f", str(PODGROUP_CRD))
     crd = "crd/podgroups.scheduling.x-k8s.io"
     wait_until(lambda: kube.run("kubectl", "get", crd, check=False).returncode == 0 or None, 60,
@@ -322,6 +327,7 @@ def test_gang_scheduling_puts_the_workers_in_a_pod_group_of_the_minimum(operator
     pods = wait_until(lambda: len(members(kube)) == 3 and members(kube), 60, "3 workers")
     for name, pod in pods.items():
         assert pod["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == JOB, name
+        assert pod["spec"]["automountServiceAccountToken"] is False, name
 
 
 def test_a_worker_killed_without_notice_is_recovered_from_its_replicas(operator: Kube) -> None:

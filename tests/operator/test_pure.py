@@ -95,6 +95,24 @@ def test_worker_pod_runs_the_agent_with_its_environment() -> None:
     assert JOB["spec"]["template"]["spec"]["containers"][0]["env"] == [{"name": "X", "value": "1"}]
 
 
+def test_worker_pods_are_restricted_and_get_no_api_credential_unless_the_template_says() -> None:
+    pod = render.worker_pod(JOB, JobSpec.parse(JOB["spec"]))["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["securityContext"] == {"runAsNonRoot": True,
+                                      "seccompProfile": {"type": "RuntimeDefault"}}  # fmt: skip
+    assert pod["containers"][0]["securityContext"] == {
+        "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+    }  # fmt: skip
+    job = copy.deepcopy(JOB)
+    template = job["spec"]["template"]["spec"]
+    template.update(automountServiceAccountToken=True, securityContext={"runAsUser": 1000})
+    template["containers"][0]["securityContext"] = {"privileged": True}
+    pod = render.worker_pod(job, JobSpec.parse(job["spec"]))["spec"]
+    assert pod["automountServiceAccountToken"] is True
+    assert pod["securityContext"] == {"runAsUser": 1000}
+    assert pod["containers"][0]["securityContext"] == {"privileged": True}
+
+
 @pytest.mark.parametrize(
     ("resources", "env", "threads"),
     [
