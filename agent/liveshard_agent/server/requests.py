@@ -81,15 +81,19 @@ def store_address(message: pb.StoreAddress, present: bool) -> StoreAddress:
     return StoreAddress(message.host, message.port)
 
 
+MAX_DEADLINE = 6 * 3600.0  # seconds: no request holds a member longer than this
+
+
 def deadlines(message: pb.Deadlines, defaults: Deadlines) -> Deadlines:
-    """A request's deadlines; a zero field takes the agent's configured one."""
+    """A request's deadlines, each at most MAX_DEADLINE; a zero field takes the agent's
+    configured one."""
     values: dict[str, float] = {}
     for name in ("op", "switch", "prepare"):
         got = getattr(message, f"{name}_seconds")
-        if not math.isfinite(got) or got < 0:
+        if not math.isfinite(got) or not 0 <= got <= MAX_DEADLINE:
             raise InvalidInput(
-                f"deadlines.{name}_seconds={got} must be >= 0 seconds (0: the agent's "
-                f"{getattr(defaults, name)} s)"
+                f"deadlines.{name}_seconds={got} must be in [0, {MAX_DEADLINE:.0f}] seconds (0: "
+                f"the agent's {getattr(defaults, name)} s)"
             )
         values[name] = float(got or getattr(defaults, name))
     try:

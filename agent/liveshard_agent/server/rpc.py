@@ -84,13 +84,18 @@ def handlers(service: AgentService) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(SERVICE, methods)
 
 
+_THREADS = WATCH_LIMIT + 16  # watchers hold a thread each; the rest serve the unary calls
+MAX_CALLS = 2 * _THREADS  # calls in service or queued at once
+
+
 def start_server(service: AgentService, token: str, address: str) -> grpc.Server:
     """Serve on `address` (the pod IP and port); RuntimeError if it cannot be bound."""
     server = grpc.server(
-        # Watchers hold a thread each; the rest serve the unary calls.
-        ThreadPoolExecutor(max_workers=WATCH_LIMIT + 16, thread_name_prefix="agent-rpc"),
+        ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix="agent-rpc"),
         handlers=[handlers(service)],
         interceptors=[TokenAuth(token)],
+        # Calls beyond the threads wait in a bounded queue; more are refused RESOURCE_EXHAUSTED.
+        maximum_concurrent_rpcs=MAX_CALLS,
         options=[
             ("grpc.so_reuseport", 0),  # a port another process holds is an error, not shared
             ("grpc.max_receive_message_length", _MAX_REQUEST_BYTES),
