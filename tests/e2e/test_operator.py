@@ -33,6 +33,7 @@ from liveshard_e2e.waiting import wait_until
 from tests.e2e.deployment import API, CHART, example, install_crd, release_name
 
 JOB = "tiny"
+ROOT = Path(__file__).resolve().parents[2]
 PODGROUP_CRD = Path(__file__).with_name("podgroup-crd.yaml")
 OPERATOR_METRICS_PORT = 9401  # the chart's metrics.port
 GLOBAL_BATCH = 24
@@ -305,6 +306,23 @@ def test_a_suspended_job_resumes_in_another_layout_at_the_same_step(
         agent = agent_status(kube, pods[name], secret)
         assert agent.samples == agent.step * GLOBAL_BATCH, (name, agent.samples, agent.step)
     steps.wait(lambda s: s.get("step", 0) > resumed["step"], "training on after the resume")
+
+
+def test_the_hpa_example_targets_the_jobs_scale_subresource(operator: Kube) -> None:
+    kube = operator
+    kube.apply(job(2))
+    hpa = ROOT / "examples" / "hpa.yaml"
+    done = kube.kubectl("apply", "--dry-run=server", "-f", str(hpa), "-o", "json")
+    applied = json.loads(done.stdout)
+    assert applied["spec"]["scaleTargetRef"] == {
+        "apiVersion": "liveshard.io/v1alpha1", "kind": "ElasticTrainingJob", "name": JOB,
+    }  # fmt: skip
+    # What the autoscaler reads and writes: the scale subresource, with the members' selector.
+    path = f"{API}/namespaces/{kube.namespace}/elastictrainingjobs/{JOB}/scale"
+    scale = wait_until(lambda: (s := kube.get(path)) and s["status"].get("selector") and s, 60,
+                       "the job's scale with its selector")  # fmt: skip
+    assert scale["spec"]["replicas"] == 2
+    assert scale["status"]["selector"] == f"liveshard.io/job={JOB},liveshard.io/role=member"
 
 
 def test_gang_scheduled_workers_form_a_pod_group_and_pass_restricted_pod_security(
