@@ -207,8 +207,7 @@ def _suspend(draft: Draft) -> bool:
     saving = record.suspended
     if saving is None or saving.saved:  # none yet, or one the job resumed from
         number = max(record.checkpoint_asked, speaker.last_checkpoint.number) + 1
-        path = f"{(draft.job.spec.checkpoint_path or '').rstrip('/')}/suspend-{number}"
-        saving = Suspension(number, path)
+        saving = Suspension(number, _checkpoint_dir(draft, f"suspend-{number}"))
         draft.record = replace(record, suspended=saving)
     saved = [a.last_checkpoint for a in agents if a is not None]
     if all(c.number >= saving.number for c in saved) and saved[0].path == saving.path:
@@ -316,7 +315,8 @@ def _exported(draft: Draft, world: World, export: str) -> bool:
     asked = draft.record.checkpoint_asked
     if all(_done_agent(a) for a in agents) and asked <= saved.number:
         number = max(asked, saved.number) + 1
-        draft.ask = Checkpoint(world.members, number, _step_dir(draft, last), last, export)
+        path = _checkpoint_dir(draft, f"step-{last}")
+        draft.ask = Checkpoint(world.members, number, path, last, export)
     return False
 
 
@@ -346,11 +346,13 @@ def _checkpoint_if_due(draft: Draft, world: World) -> None:
     if spec.export_to and at_step >= last:
         at_step = last
     export_to = spec.export_to if at_step == last and spec.export_to else ""
-    draft.ask = Checkpoint(world.members, number, _step_dir(draft, at_step), at_step, export_to)
+    path = _checkpoint_dir(draft, f"step-{at_step}")
+    draft.ask = Checkpoint(world.members, number, path, at_step, export_to)
 
 
-def _step_dir(draft: Draft, step: int) -> str:
-    return f"{(draft.job.spec.checkpoint_path or '').rstrip('/')}/step-{step}"
+def _checkpoint_dir(draft: Draft, name: str) -> str:
+    """A checkpoint's directory under spec.checkpoint.path."""
+    return f"{(draft.job.spec.checkpoint_path or '').rstrip('/')}/{name}"
 
 
 def _restore(draft: Draft, why: str) -> None:
