@@ -19,6 +19,8 @@ import logging
 from collections.abc import Callable
 from typing import Any, assert_never
 
+import grpc
+
 from liveshard_core.errors import InvalidInput
 
 from . import render
@@ -35,7 +37,7 @@ from .actions import (
     ReleaseMember,
 )
 from .agents import AgentClient, AgentError
-from .decision import Decision, checkpointed, hosted, not_hosted
+from .decision import Decision, checkpointed, hosted, not_hosted, overtaken
 from .kube import ApiError, Kube
 from .spec import JobSpec
 
@@ -90,7 +92,10 @@ class Executor:
     def run(self, decision: Decision) -> None:
         """Carry out `decision` (see the module's docstring for the order)."""
         for action in decision.before:
-            self._do(decision, action)
+            if isinstance(action, AbortOn):
+                decision = self._abort(decision, action)
+            else:
+                self._do(decision, action)
         decision = self._answer(decision)
         self.write(decision.status)
         for action in decision.after:
@@ -135,15 +140,26 @@ class Executor:
                 self.kube.patch(self.namespace, "pods", pod, labels)
             case Prepare():
                 self._prepare(action)
-            case AbortOn(member=member, epoch=epoch):
-                try:
-                    self.clients[member].abort(epoch)
-                except AgentError as err:
-                    log.info("job %s: aborting epoch %s on %s: %s", self.name, epoch, member, err)
+            case AbortOn():
+                self._abort(decision, action)
             case Event():
                 self._post(decision, action)
             case _:
                 assert_never(action)
+
+    def _abort(self, decision: Decision, abort: AbortOn) -> Decision:
+        """Abort the epoch on one member; the decision without its abort when the member
+        answers ABORTED: the epoch is in effect there (the commit came first)."""
+        try:
+            self.clients[abort.member].abort(abort.epoch)
+        except AgentError as err:
+            log.info("job %s: aborting epoch %s on %s: %s", self.name, abort.epoch,
+                     abort.member, err)  # fmt: skip
+            if err.code is grpc.StatusCode.ABORTED and decision.unaborted:
+                return overtaken(decision, abort.member, err.details)
+        except KeyError:
+            pass  # no client: the agent never answered
+        return decision
 
     def _release(self, member: str, saved: int) -> None:
         client = self.clients.get(member)

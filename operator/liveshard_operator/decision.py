@@ -58,6 +58,7 @@ class Decision:
     before: tuple[Action, ...] = ()
     after: tuple[Action, ...] = ()
     ask: Ask | None = None
+    unaborted: Record | None = None  # the record an abort in `before` would leave behind
 
     @property
     def status(self) -> dict[str, Any]:
@@ -84,12 +85,14 @@ class Draft:
     before: list[Action] = field(default_factory=list)
     after: list[Action] = field(default_factory=list)
     ask: Ask | None = None
+    unaborted: Record | None = None
 
     def decision(self) -> Decision:
         report = Report(self.message, tuple(self.spares), self.last, self.failure,
                         self.finished, self.exported, self.missing)  # fmt: skip
         return Decision(self.job, self.seen, self.now, self.record, report,
-                        tuple(self.before), tuple(self.after), self.ask)  # fmt: skip
+                        tuple(self.before), tuple(self.after), self.ask,
+                        self.unaborted)  # fmt: skip
 
     def keep_pods(self, wanted: int, members: set[str], saved: int = 0) -> None:
         """Create pods until `wanted` live ones exist; delete surplus pods not in `members`
@@ -160,6 +163,20 @@ def checkpointed(decision: Decision, taken: bool) -> Decision:
     if taken:
         record = replace(record, checkpoint_asked=checkpoint.number)
     return replace(decision, record=record, ask=None)
+
+
+def overtaken(decision: Decision, member: str, why: str) -> Decision:
+    """`decision` when `member` refused its abort because the epoch is in effect there: the
+    commit came first (everywhere: the agents act on one recorded decision). Nothing of the abort
+    is recorded or announced; the next pass sees the commit."""
+    assert decision.unaborted is not None, "no abort was decided"
+    plan = decision.unaborted.in_flight
+    epoch = plan.epoch if plan is not None else "?"
+    message = f"epoch {epoch}: the abort came after the commit on {member} ({why})"
+    after = tuple(a for a in decision.after if not isinstance(a, Event))
+    report = replace(decision.report, message=message, last=None)
+    return replace(decision, record=decision.unaborted, report=report, after=after,
+                   unaborted=None)  # fmt: skip
 
 
 def _begun(decision: Decision) -> Begin:

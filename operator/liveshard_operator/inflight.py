@@ -1,8 +1,13 @@
 """A reconfiguration in flight, decided from what its members' agents say: commit it when every
-member of the new world trains in its epoch, abort it when one gave up, a member vanished or its
-deadline passed (then retry with backoff, or restore from a checkpoint when the same recovery
-would abort again), fail the job when some members committed and others did not, and otherwise
-wait, sending Prepare to whoever has not taken it yet. Pure, like `decide`.
+member of the new world that is still there trains in its epoch (the agents act on one decision
+recorded in the change's store, so once one trains in it all will, and a member that died after
+the decision is recovered from on the next pass), abort it when none did and one gave up, a
+member vanished or its deadline passed (then retry with backoff, or restore from a checkpoint
+when the same recovery would abort again), and otherwise wait, sending Prepare to whoever has not
+taken it yet. An abort is recorded only if no agent answers that the epoch is already in effect
+(`decision.overtaken`). Some members committed and others aborted happens only when the store's
+host died between their reads of the decision: the job then fails (`SplitReconfiguration`).
+Pure, like `decide`.
 """
 
 from __future__ import annotations
@@ -52,10 +57,16 @@ def progress(draft: Draft, plan: InFlight) -> None:
     aborted = [m for m, a in agents.items() if _gave_up(a, plan.epoch)]
     vanished = [m for m in union if m not in pods or pods[m].gone]
     overdue = draft.now - plan.started > draft.job.spec.deadlines.total + 60
-    if len(trained) == len(plan.new.members):
-        _commit(draft, plan, agents)
-    elif trained and (aborted or vanished):
-        _split(draft, plan, trained, aborted + vanished)
+    there = [m for m in plan.new.members if m not in vanished]
+    if trained and not aborted and len(trained) == len(there):
+        _commit(draft, plan, agents, trained[0])
+    elif trained and aborted:
+        _split(draft, plan, trained, aborted)
+    elif trained:
+        draft.message = (
+            f"epoch {plan.epoch}: {len(trained)}/{len(there)} members switched; "
+            f"{len(vanished)} vanished after the decision"
+        )
     elif aborted or vanished or overdue:
         why = (f"aborted by {', '.join(aborted)}" if aborted else
                f"lost {', '.join(vanished)}" if vanished else "deadline passed")  # fmt: skip
@@ -76,8 +87,8 @@ def progress(draft: Draft, plan: InFlight) -> None:
         )
 
 
-def _commit(draft: Draft, plan: InFlight, agents: dict[str, pb.AgentStatus]) -> None:
-    speaker = agents[plan.new.members[0]].last_switch
+def _commit(draft: Draft, plan: InFlight, agents: dict[str, pb.AgentStatus], speaks: str) -> None:
+    speaker = agents[speaks].last_switch
     last = Summary.of(
         plan, Result.COMMITTED, speaker.reason or f"epoch {plan.epoch}: committed",
         pause_seconds=round(speaker.pause_seconds, 4) if plan.old else 0.0,
@@ -106,6 +117,7 @@ def _commit(draft: Draft, plan: InFlight, agents: dict[str, pb.AgentStatus]) -> 
 
 
 def _abort(draft: Draft, plan: InFlight, why: str, agents: dict[str, pb.AgentStatus]) -> None:
+    draft.unaborted = draft.record
     for member, agent in agents.items():
         if agent.HasField("pending") and agent.pending.epoch == plan.epoch:
             draft.before.append(AbortOn(member, plan.epoch))
@@ -119,11 +131,11 @@ def _abort(draft: Draft, plan: InFlight, why: str, agents: dict[str, pb.AgentSta
 
 
 def _split(draft: Draft, plan: InFlight, trained: list[str], failed: list[str]) -> None:
-    """Some members committed and others did not (a member died during the vote): no world
-    is whole. Only a checkpoint can bring the job back."""
+    """Some members committed and others aborted (the store's host died between their reads of
+    the decision): no world is whole. Only a checkpoint can bring the job back."""
     message = (
-        f"epoch {plan.epoch}: members {trained} committed but {failed} did not (a member "
-        "failed during the vote); restore the job from a checkpoint"
+        f"epoch {plan.epoch}: members {trained} committed but {failed} aborted (the store's "
+        "host failed while the decision was read); restore the job from a checkpoint"
     )
     draft.failure = Failure("SplitReconfiguration", message)
     draft.after.append(Event(EventType.WARNING, "SplitReconfiguration", message))

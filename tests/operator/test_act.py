@@ -19,7 +19,7 @@ from liveshard_operator.kube import ApiError
 from liveshard_operator.observation import Observation
 from liveshard_operator.world import Record
 
-from tests.operator.test_decide import CASES, CHECKPOINTED, TRAINING3, W3
+from tests.operator.test_decide import CASES, CHECKPOINTED, TRAINING3, W3, condition
 from tests.operator.values import BODY, NOW, job, pod, seen, standby
 
 Calls = list[tuple[Any, ...]]
@@ -52,15 +52,18 @@ class FakeKube:
 
 
 class FakeAgent:
-    """One agent: logs each call, refuses those named in `refuse`."""
+    """One agent: logs each call, refuses those named in `refuse` (UNAVAILABLE, or the code
+    after a colon: `abort:ABORTED`)."""
 
     def __init__(self, member: str, calls: Calls, refuse: tuple[str, ...] = ()) -> None:
-        self.member, self.calls, self.refuse = member, calls, refuse
+        self.member, self.calls = member, calls
+        self.refuse = dict((*r.split(":"), "UNAVAILABLE")[:2] for r in refuse)
 
     def _call(self, method: str, *args: Any) -> None:
         self.calls.append((method, self.member, *args))
         if method in self.refuse:
-            raise AgentError(self.member, grpc.StatusCode.UNAVAILABLE, f"{method} refused")
+            code = grpc.StatusCode[self.refuse[method]]
+            raise AgentError(self.member, code, f"{method} refused")
 
     def host_store(self, epoch: int) -> tuple[str, int]:
         self._call("host_store", epoch)
@@ -124,6 +127,20 @@ def test_aborts_go_out_before_the_abort_is_recorded() -> None:
         "abort p0", "abort p1", "abort p2", "status", "event ReconfigurationAborted",
     ]  # fmt: skip
     assert calls[3][1]["reconfiguration"]["attempts"] == 2
+
+
+def test_an_abort_overtaken_by_the_commit_is_not_recorded() -> None:
+    case = CASES["in flight: a member failed to prepare"]
+    calls: Calls = []
+    decision = decide(case.seen, case.record, case.job, NOW)
+    executor(calls, case.seen, p1=("abort:ABORTED",)).run(decision)
+    # p1 answers that the epoch is in effect there: the record keeps it in flight, unaborted,
+    # and no event says it aborted; the next pass sees the commit.
+    assert kinds(calls) == ["abort p0", "abort p1", "abort p2", "status"]
+    written = calls[3][1]
+    assert written["reconfiguration"]["attempts"] == 1
+    assert written["reconfiguration"]["inFlight"]["epoch"] == 2
+    assert "the abort came after the commit on p1" in condition(written, "Ready")["message"]
 
 
 def test_a_finished_job_lets_its_pods_go_before_it_is_marked_succeeded() -> None:

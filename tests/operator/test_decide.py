@@ -315,6 +315,19 @@ CASES: dict[str, Case] = {
         after=["Normal Reconfigured", "label p2 standby", "release p2", "delete p2"],
         changed={"world": SHRINK.new, "in_flight": None},
     ),
+    "in flight: a member died after the commit was decided: commit, it is recovered next": Case(
+        J3, seen(pod("p0", training(2, last_switch=switch(2, COMMITTED)), role=M),
+                 pod("p2", training(2), role=S)),
+        Record(world=W2, in_flight=GROW, last_epoch=2), "Running",
+        after=["Normal Reconfigured", "label p2 member"],
+        changed={"world": GROW.new, "in_flight": None},
+    ),
+    "in flight: a member died after the commit, another has not switched yet: wait": Case(
+        J3, seen(pod("p0", training(2, last_switch=switch(2, COMMITTED)), role=M),
+                 pod("p2", standby(pending=pending(2)), role=S)),
+        Record(world=W2, in_flight=GROW, last_epoch=2), "Reconfiguring",
+        message="epoch 2: 1/2 members switched; 1 vanished after the decision",
+    ),
     "in flight: wait, preparing who has not taken it": Case(
         J3, seen(pod("p0", training(1, pending=pending(2)), role=M),
                  pod("p1", training(1), role=M), pod("p2", standby())),
@@ -358,7 +371,7 @@ CASES: dict[str, Case] = {
         changed={"in_flight": None, "attempts": 1, "retry_after": NOW + backoff(1)},
         degraded="ReconfigurationAborted",
     ),
-    "in flight: some members committed, some aborted: Failed": Case(
+    "in flight: some members committed, some aborted (the store's host died): Failed": Case(
         J3, seen(pod("p0", training(2), role=M),
                  pod("p1", training(1, last_switch=switch(2, ABORTED)), role=M),
                  pod("p2", standby(pending=pending(2)), role=S)),
@@ -606,7 +619,7 @@ def test_an_abort_degrades_the_job_and_says_why() -> None:
 
 
 def test_failures_name_their_reason() -> None:
-    split = CASES["in flight: some members committed, some aborted: Failed"]
+    split = CASES["in flight: some members committed, some aborted (the store's host died): Failed"]
     status = decide(split.seen, split.record, split.job, NOW).status
     assert condition(status, "Failed")["reason"] == "SplitReconfiguration"
     owed = CASES["a restore owed without a checkpoint: Failed"]

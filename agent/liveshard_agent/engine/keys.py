@@ -37,6 +37,11 @@ def announcement(epoch: int) -> str:
     return f"{_ROOT}/{epoch}/announce"
 
 
+def decision(epoch: int) -> str:
+    """A switch's decision, commit or abort: the first one recorded stands (`vote.settle`)."""
+    return f"{_ROOT}/{epoch}/decision"
+
+
 def breakage(epoch: int, member: str) -> str:
     """Where `member`'s world broke, published for the recovery `epoch`."""
     return f"{_ROOT}/{epoch}/broken/{member}"
@@ -52,6 +57,6 @@ def checkpoint_prefix(epoch: int, step: int) -> str:
     return f"{_ROOT}/{epoch}/checkpoint/{step}"
 
 
-def kill(step: int, rank: int) -> str:
+def kill(step: int, rank: int, phase: str) -> str:
     """Counts the members that reached a scripted kill (`local.faults`): only the first dies."""
-    return f"{_ROOT}/kill/{step}:{rank}"
+    return f"{_ROOT}/kill/{step}:{rank}:{phase}"

@@ -16,10 +16,12 @@ A `Reconfiguration` is one member's side of one epoch's change, and moves throug
    program into the shadow, checksumming as the verification asks (`modes.Verification`: the
    moved bytes as they are sent and received, by default), and vote (`vote`): one all-reduce over
    the union group, within the switch deadline, of every member's failure flag and checksums.
-3. -> COMMITTED if nobody failed and every logical tensor's checksums match: the shadow becomes
-   the state, the caller's old state object is released (see `state`). -> ABORTED otherwise: the
-   shadow is dropped and the caller keeps its old state exactly as it was. Every member decides
-   from the same all-reduced vote. A prepared reconfiguration that will not switch is `abort`ed.
+3. Each member proposes its view of the vote as the epoch's decision in the store; the first
+   recorded stands (`vote.settle`), and every member acts on it. -> COMMITTED if nobody failed and
+   every logical tensor's checksums match: the shadow becomes the state, the caller's old state
+   object is released (see `state`). -> ABORTED otherwise: the shadow is dropped and the caller
+   keeps its old state exactly as it was. A prepared reconfiguration that will not switch is
+   `abort`ed.
 
 Memory (`modes.MemoryMode`) is the mode's own business (`executor.SwitchMemory`, chosen once in
 `MEMORY_MODES`): RESIDENT (`resident`) allocates the whole shadow in prepare and keeps the old
@@ -28,9 +30,9 @@ the old device storage is given back, within the budget plus the member's own gr
 restores the old state from the host copy on abort.
 
 Deadlines, short to long (`liveshard_core.job.Deadlines`): one operation < the switch deadline <
-the prepare deadline. A deadline that passes aborts; nothing waits longer. Known window: a member
-that dies *during* the vote all-reduce can leave members that completed it committed and others
-aborted; the operator, which records the committed epoch, reconciles that case.
+the prepare deadline. A deadline that passes aborts; nothing waits longer. A member that dies
+*during* the vote all-reduce can let it complete at some members only: the recorded decision keeps
+them together. Known window: the store's host dying between two members' reads of the decision.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ from .program import Program, build_program
 from .record import SwitchRecord, context_logger, switch_record
 from .resident import ResidentMemory
 from .state import ShardedState, region_boxes
-from .vote import Failure, decide
+from .vote import Failure, decide, settle
 from .world import World, close_in_background, union_group
 
 __all__ = [
@@ -102,8 +104,12 @@ class SwitchHooks:
     """Calls into the switch at fixed points, for instrumentation and fault-injection tests. A
     hook that raises makes this member vote no, with the exception as its reason."""
 
+    before_prepare: Callable[[], None] | None = None  # prepare starts (in its thread)
     before_round: Callable[[int], None] | None = None  # round r of the schedule starts
     before_vote: Callable[[], None] | None = None  # the transfer and checksums are done
+    # The vote's all-reduce is done, the decision not recorded yet; a hook that raises makes
+    # this member propose an abort, as if its all-reduce had failed.
+    before_decision: Callable[[], None] | None = None
 
 
 @dataclass
@@ -245,6 +251,8 @@ class Reconfiguration:
     def _prepare(self) -> None:
         # A store client is not safe to share between threads: prepare uses a clone of its own.
         self.store = self.store.clone()
+        if self.hooks.before_prepare is not None:
+            self.hooks.before_prepare()
         claim_epoch(self.store, self.epoch, self.member)
         start = time.perf_counter()
         union = Union(self.old, self.new, self.lost)
@@ -402,6 +410,18 @@ class Reconfiguration:
                 state_sums=(sums["old"], sums["new"]), moved=self._moved, spec=self.spec,
                 members=self.members, epoch=self.epoch, deadline=deadline, device=self.device,
             )  # fmt: skip
+            if self.hooks.before_decision is not None:
+                try:
+                    self.hooks.before_decision()
+                except Exception as err:
+                    outcome = outcome or Failure(
+                        Cause.VOTE_INCOMPLETE, f"epoch {self.epoch}: {self.member}: {err}"
+                    )
+        recorded = settle(self.store, self.epoch, outcome)
+        # An abort keeps this member's own reason where it has one: the most precise.
+        outcome = None if recorded is None else outcome or recorded
+        if outcome is None and failure is not None:  # a commit needs every member's yes
+            raise AssertionError(f"epoch {self.epoch}: commit recorded over {self.member}'s no")
         seconds["vote"] = time.perf_counter() - start
         if outcome is not None and not broken:
             # Operations a failure left pending would each hold the group's teardown for a

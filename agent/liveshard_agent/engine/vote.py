@@ -1,24 +1,34 @@
 """The vote that ends every switch: each member's failure flag and checksums, added up over the
-union group within the switch deadline.
+union group within the switch deadline, then one decision recorded in the change's store.
 
-Every member that completes the all-reduce holds the same sums and so draws the same decision
+Every member that completes the all-reduce holds the same sums and so draws the same view
 (`decide`). What the checksums are depends on the verification (`modes.Verification`): none, the
 moved bytes as sent and as received per receiving member, or the whole old and new state per
-logical tensor; the vote only carries two vectors that must agree. This module decides; the
+logical tensor; the vote only carries two vectors that must agree.
+
+A member that dies inside the all-reduce can let it complete at some members and fail at others,
+so views can differ. None is acted on as it is: each member proposes its view as the epoch's
+decision with a compare-and-set (`settle`), and every member acts on the one recorded first. A
+recorded commit is safe for a member whose own view failed: the all-reduce completed somewhere
+only if every member had voted yes, so every member's shadow is whole and checked. Whoever else
+gives the epoch up (a member dropping it, the operator or the launcher answering a death)
+records an abort the same way, so a late commit can never overtake it. This module decides; the
 switch (`switch.Reconfiguration`) acts on the decision.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
-from torch.distributed import AllreduceOptions, ReduceOp
+from torch.distributed import AllreduceOptions, ReduceOp, Store
 
 from liveshard_core.vps.spec import ModelSpec
 
+from . import keys
 from .backend import Group
 from .checksum import Checksums, MovedSums
 from .errors import Cause
@@ -123,3 +133,22 @@ def decide(
     if names:
         return Failure(Cause.CHECKSUM_MISMATCH, f"epoch {epoch}: {what}")
     return None
+
+
+def settle(store: Store, epoch: int, proposal: Failure | None) -> Failure | None:
+    """Record `proposal` (None: commit) as `epoch`'s decision unless one was recorded first, and
+    return the recorded one: the decision every member acts on. A member that cannot reach the
+    store aborts (its view of a commit cannot be confirmed)."""
+    mine = {"commit": True} if proposal is None else {
+        "cause": proposal.cause.value, "reason": proposal.reason
+    }  # fmt: skip
+    try:
+        recorded = json.loads(store.compare_set(keys.decision(epoch), "", json.dumps(mine)))
+    except RuntimeError as err:  # torch's store errors
+        return proposal or Failure(
+            Cause.VOTE_INCOMPLETE, f"epoch {epoch}: the decision could not be recorded: {err}"
+        )
+    if recorded.get("commit"):
+        return None
+    return Failure(Cause(recorded["cause"]), str(recorded["reason"]))
+

@@ -1,53 +1,127 @@
-"""`liveshard-local --kill STEP:RANK`: a member that dies without notice, at a known point.
+"""`liveshard-local --kill STEP:RANK[:PHASE]` and `--hang`: a member that dies, or stops, without
+notice, at a known point.
 
-The member at RANK of the layout in effect kills its own process (SIGKILL) as it begins step
-STEP, so that a failure without notice can be shown and tried: the survivors' world breaks and
-the launcher answers with a recovery, as the operator does on Kubernetes. This module is the
-whole of that harness: the flag's value (`ScriptedKill`) and the member's part (`kill_at`, run
-before each step by the member's process). The driver, the runtime and the engine know nothing
-of it; tests inject their own faults through `LocalJob.hooks` instead.
+The member at RANK of the layout in effect kills its own process (SIGKILL; `--hang`: stops it,
+SIGSTOP) at PHASE:
+- `step` (the default): as it begins step STEP;
+- `prepare`, `transfer`, `vote`, `commit`: inside the switch scripted at step STEP (`--switch
+  STEP:...`): as its prepare starts, as the transfer's first round starts, as it is about to cast
+  its vote, or once the vote's all-reduce is done and before the decision is recorded (the
+  others commit without it).
+Each kill happens once per job: the recovery resumes at the same point, maybe with another member
+at RANK. The survivors' world breaks and the launcher answers with a recovery, as the operator
+does on Kubernetes; a stopped member is found silent (its peers' world broke, it said nothing)
+and killed. This module is the whole of that harness: the flags' values (`ScriptedKill`) and the
+member's part (`Faults`). The runtime and the engine know nothing of it; tests inject their own
+faults through `LocalJob.hooks` instead.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from torch.distributed import Store
 
 from liveshard_core.errors import InvalidInput
 
 from ..engine import keys
+from ..engine.switch import SwitchHooks
+from ..runtime.change import Change
 from ..runtime.member import Member
+
+PHASES = ("step", "prepare", "transfer", "vote", "commit")
 
 
 @dataclass(frozen=True)
 class ScriptedKill:
-    """The member at `rank` of the layout in effect kills its own process (SIGKILL) as it begins
-    step `step`: a failure without notice, at a known point."""
+    """The member at `rank` of the layout in effect kills (`hang`: stops) its own process at
+    `phase` of step `step`: a failure without notice, at a known point."""
 
     step: int
     rank: int
+    phase: str = "step"
+    hang: bool = False
 
 
-def parse_kill(text: str) -> ScriptedKill:
-    """`STEP:RANK`, e.g. `15:1`."""
-    step, sep, rank = text.partition(":")
-    if not sep or not step.strip().isdigit() or not rank.strip().isdigit():
-        raise InvalidInput(f"--kill {text!r}: expected STEP:RANK, e.g. 15:1")
-    return ScriptedKill(int(step), int(rank))
+def parse_kill(text: str, hang: bool = False) -> ScriptedKill:
+    """`STEP:RANK[:PHASE]`, e.g. `15:1` or `20:0:vote`."""
+    parts = text.split(":")
+    if len(parts) == 2:
+        parts.append("step")
+    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts[:2]) or parts[2] not in PHASES:
+        raise InvalidInput(
+            f"{'--hang' if hang else '--kill'} {text!r}: expected STEP:RANK[:PHASE] with PHASE "
+            f"one of {', '.join(PHASES)}, e.g. 15:1 or 20:0:vote"
+        )
+    step, rank, phase = parts
+    return ScriptedKill(int(step), int(rank), phase, hang)
 
 
-def kill_at(kills: tuple[ScriptedKill, ...]) -> Callable[[Member], None]:
-    """What a member runs before each step: it dies if a kill names this step and its rank."""
+class Faults:
+    """A member process's scripted kills: `before_step` runs before each step, `hooks` go into
+    its switches; `seen` is told each change the member is asked to prepare."""
 
-    def before_step(member: Member) -> None:
+    def __init__(self, name: str, kills: tuple[ScriptedKill, ...]) -> None:
+        self.name, self.kills = name, kills
+        self.member: Member | None = None
+        self.change: Change | None = None  # the latest change asked of this member
+        self._stores = threading.local()  # a store client per thread (prepare has its own)
+
+    def seen(self, change: Change) -> None:
+        self.change = change
+
+    def before_step(self, member: Member) -> None:
         assert member.layout is not None
-        rank = member.layout.rank_of(member.name)
-        for kill in kills:
-            # Once per job: the recovery resumes at this step, maybe with another member at RANK.
-            once = keys.kill(kill.step, kill.rank)
-            if (kill.step, kill.rank) == (member.step, rank) and member.store.add(once, 1) == 1:
-                os.kill(os.getpid(), signal.SIGKILL)
+        self._hit("step", member.step, member.layout.rank_of(member.name))
 
-    return before_step
+    def hooks(self) -> SwitchHooks:
+        def at(phase: str) -> Callable[..., None]:
+            def hit(*args: Any) -> None:
+                change = self.change
+                if change is not None and (phase != "transfer" or args == (0,)):
+                    self._hit(phase, change.at_step, change.old.ranks.get(self.name))
+
+            return hit
+
+        return SwitchHooks(
+            before_prepare=at("prepare"), before_round=at("transfer"), before_vote=at("vote"),
+            before_decision=at("commit"),
+        )  # fmt: skip
+
+    def _hit(self, phase: str, step: int, rank: int | None) -> None:
+        for kill in self.kills:
+            if (kill.phase, kill.step, kill.rank) != (phase, step, rank):
+                continue
+            if self._store().add(keys.kill(step, kill.rank, phase), 1) == 1:  # once per job
+                os.kill(os.getpid(), signal.SIGSTOP if kill.hang else signal.SIGKILL)
+
+    def _store(self) -> Store:
+        store = getattr(self._stores, "store", None)
+        if store is None:
+            assert self.member is not None
+            store = self._stores.store = self.member.store.clone()
+        return store
+
+
+def combine(first: SwitchHooks | None, second: SwitchHooks) -> SwitchHooks:
+    """Hooks that call `first`'s and then `second`'s at each point."""
+    if first is None:
+        return second
+    merged: dict[str, Callable[..., None] | None] = {}
+    for f in fields(SwitchHooks):
+        a, b = getattr(first, f.name), getattr(second, f.name)
+        merged[f.name] = _both(a, b) if a and b else a or b
+    return replace(first, **merged)
+
+
+def _both(a: Callable[..., None], b: Callable[..., None]) -> Callable[..., None]:
+    def call(*args: Any) -> None:
+        a(*args)
+        b(*args)
+
+    return call

@@ -50,8 +50,10 @@ from liveshard_core.errors import InvalidInput
 from liveshard_core.job import Cause
 from liveshard_core.job.flags import add_training_flags, training_from_flags
 from liveshard_core.layout.layout import Degrees, Layout, parse_degrees
+from liveshard_core.plan.union import union_members
 
 from ..data.builtin import PRESET
+from ..engine.vote import Failure, settle
 from ..engine.world import StoreAddress
 from ..runtime.change import Change
 from ..runtime.events import Broke, Checkpointed, Finished, Refused, Stepped, Switched
@@ -109,6 +111,7 @@ class Driver:
         self.pending: Change | None = None
         self.scripted: ScriptedSwitch | None = None  # the pending change's, if scripted
         self.lost: set[str] = set()  # members of the layout in effect whose process died
+        self.broke: dict[str, float] = {}  # members whose world broke: when they said so
 
     def _spawn(self, name: str) -> None:
         parent, child = self.ctx.Pipe()
@@ -180,6 +183,19 @@ class Driver:
                     self._lost(process)
                     continue
                 self._receive(process.name, message, done)
+            self._kill_silent()
+
+    def _kill_silent(self) -> None:
+        """Members of the layout in effect that said nothing for the op deadline after their
+        peers' world broke are stopped or hung: they are killed, and their loss answered."""
+        assert self.layout is not None
+        if not self.broke or time.monotonic() - min(self.broke.values()) < self.job.deadlines.op:
+            return
+        for name in self.layout.members:
+            process = self.processes.get(name)
+            if name not in self.broke and process is not None and process.proc.is_alive():
+                self.emit(output.silent_line(name, self.job.deadlines.op))
+                process.proc.kill()
 
     def _receive(self, name: str, message: object, done: set[str]) -> None:
         """One message from member `name`'s process: an event of its loop, or its crash."""
@@ -194,6 +210,7 @@ class Driver:
             case Checkpointed():
                 self.emit(output.checkpoint_line(message))
             case Broke():
+                self.broke.setdefault(name, time.monotonic())
                 self.emit(output.broken_line(message))
             case Finished():
                 done.add(name)
@@ -204,9 +221,29 @@ class Driver:
 
     def _lost(self, process: _Process) -> None:
         """A member's process died: recover without it (and any other member found dead) when it
-        was a member of the layout in effect (the others cannot go on without its state), else
-        the job fails. A death found later is answered by a recovery that supersedes this one."""
+        was a member of the layout in effect (the others cannot go on without its state). A
+        death inside a pending switch first settles the switch: the launcher records an abort as
+        its decision unless a commit was recorded first, in which case the layout in effect is
+        the switch's new one. A member of neither (a joining member whose switch then aborts, a
+        leaving one after the commit) is only buried; any other death fails the job. A death
+        found later is answered by a recovery that supersedes this one."""
         assert self.layout is not None
+        change = self.pending
+        if (
+            change is not None
+            and not change.lost
+            and process.name in union_members(change.old, change.new)
+        ):
+            why = Failure(Cause.PEER_FAILED, f"epoch {change.epoch}: {process.name} died")
+            if settle(self.store, change.epoch, why) is not None:
+                if process.name not in self.layout.members:
+                    self._bury([process])  # a joining member: the switch aborts without it
+                    return
+            elif process.name in change.new.ranks:
+                self._adopt(change)  # it died after the commit was decided
+            else:
+                self._bury([process])  # a leaving member, after the commit
+                return
         if process.name not in self.layout.members:
             process.proc.join(5)
             raise RuntimeError(f"member {process.name} exited (code {process.proc.exitcode})")
@@ -214,11 +251,8 @@ class Driver:
             p for p in self.processes.values()
             if p is not process and p.name in self.layout.members and not p.proc.is_alive()
         ]  # fmt: skip
-        for gone in dead:
-            gone.proc.join(5)
-            del self.processes[gone.name]
-            self.emit(output.lost_line(gone.name, gone.proc.exitcode))
-            self.lost.add(gone.name)
+        self._bury(dead)
+        self.lost.update(gone.name for gone in dead)
         if self.pending is not None and not self.pending.lost:
             self._postpone()  # superseded by the recovery
         members = list(self.layout.members)
@@ -235,6 +269,22 @@ class Driver:
             if name in self.processes:
                 with contextlib.suppress(BrokenPipeError, OSError):  # dead too: seen next
                     self.processes[name].conn.send(Prepare(change, self.address))
+
+    def _bury(self, dead: list[_Process]) -> None:
+        for gone in dead:
+            gone.proc.join(5)
+            del self.processes[gone.name]
+            self.emit(output.lost_line(gone.name, gone.proc.exitcode))
+
+    def _adopt(self, change: Change) -> None:
+        """`change` committed: its new layout is the one in effect."""
+        assert self.layout is not None
+        left = [m for m in change.old.members if m not in change.new.ranks]
+        self.standby += [m for m in left if m not in change.lost]
+        self.layout = change.new
+        self.lost.clear()
+        self.broke.clear()
+        self.pending, self.scripted = None, None
 
     def _postpone(self) -> None:
         """Give up the pending scripted switch until the recovery has committed."""
@@ -268,9 +318,12 @@ class Driver:
         if not event.report:
             return
         if not event.committed and event.cause is Cause.PEER_FAILED:
-            # A member died (its loss is seen next) or a transfer failed: try again later.
+            # A member died or a transfer failed: try again later (after the recovery, when a
+            # member of the layout in effect died: its loss is seen next).
             self.emit(output.switch_line(event))
             self._postpone()
+            if not self.lost:
+                self._request_next()
             return
         self._switched(event)
 
@@ -279,10 +332,7 @@ class Driver:
         assert change is not None and self.layout is not None
         self.emit(output.switch_line(event))
         if event.committed:
-            left = [m for m in change.old.members if m not in change.new.ranks]
-            self.standby += [m for m in left if m not in change.lost]
-            self.layout = change.new
-            self.lost.clear()
+            self._adopt(change)
         else:
             joined = [m for m in change.new.members if m not in change.old.ranks]
             self.standby += joined
@@ -323,9 +373,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--layout", help="the first layout (default dp=NPROCS)")
     parser.add_argument("--switch", action="append", default=[], metavar="STEP:LAYOUT",
                         help="switch to LAYOUT at step STEP (repeatable)")  # fmt: skip
-    parser.add_argument("--kill", action="append", default=[], metavar="STEP:RANK",
-                        help="the member at RANK kills its process as it begins step STEP "
-                             "(repeatable): the job recovers from surviving copies")  # fmt: skip
+    parser.add_argument("--kill", action="append", default=[], metavar="STEP:RANK[:PHASE]",
+                        help="the member at RANK kills its process at PHASE: step (the "
+                             "default: as it begins step STEP), or prepare, transfer, vote, "
+                             "commit (inside the switch scripted at STEP); repeatable: the job "
+                             "recovers from surviving copies")  # fmt: skip
+    parser.add_argument("--hang", action="append", default=[], metavar="STEP:RANK[:PHASE]",
+                        help="as --kill, but the member stops (SIGSTOP): found silent when its "
+                             "peers' world breaks, it is killed and the job recovers")  # fmt: skip
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
                         help="default: cuda when available, else cpu")  # fmt: skip
     parser.add_argument(
@@ -358,7 +413,8 @@ def job_from_args(args: argparse.Namespace) -> LocalJob:
         config=config, nprocs=args.nprocs, layout=layout,
         switches=tuple(parse_switch(s) for s in args.switch), checksums=args.checksums,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-        resume=args.resume, kills=tuple(parse_kill(k) for k in args.kill),
+        resume=args.resume, kills=tuple(parse_kill(k) for k in args.kill)
+        + tuple(parse_kill(k, hang=True) for k in args.hang),
     )  # fmt: skip
 
 

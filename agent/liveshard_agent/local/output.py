@@ -68,6 +68,11 @@ def lost_line(member: str, exit_code: int | None) -> Line:
     return {"event": "lost", "member": member, "exit_code": exit_code}
 
 
+def silent_line(member: str, seconds: float) -> Line:
+    """A member that said nothing for `seconds` after its peers' world broke: it is killed."""
+    return {"event": "silent", "member": member, "seconds": seconds}
+
+
 def printer(as_json: bool) -> Callable[[Line], None]:
     """JSON lines, or a human-readable progress view of the same lines."""
 
@@ -81,6 +86,9 @@ def printer(as_json: bool) -> Callable[[Line], None]:
                   f"{rate:,.0f} tokens/s", flush=True)  # fmt: skip
         elif line["event"] == "lost":
             print(f"== member {line['member']} died (exit code {line['exit_code']})", flush=True)
+        elif line["event"] == "silent":
+            print(f"== member {line['member']} silent for {line['seconds']} s: killed",
+                  flush=True)  # fmt: skip
         elif line["event"] == "broken":
             print(f"   {line['member']}: world broke at step {line['step']}: {line['reason']}",
                   flush=True)  # fmt: skip

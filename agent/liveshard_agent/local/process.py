@@ -22,9 +22,9 @@ import torch
 
 from ..data.builtin import job_model
 from ..runtime.events import Checkpointed, Event, Report, Stepped
-from ..runtime.loop import Command, run_member
+from ..runtime.loop import Command, Prepare, run_member
 from ..runtime.member import Member
-from .faults import kill_at
+from .faults import Faults, combine
 from .job import LocalJob
 
 
@@ -36,15 +36,19 @@ class Crashed:
 
 
 class _PipeInbox:
-    """The driver's commands, from the member's end of its pipe."""
+    """The driver's commands, from the member's end of its pipe (the scripted faults see each
+    change asked for)."""
 
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
+    def __init__(self, conn: Connection, faults: Faults) -> None:
+        self.conn, self.faults = conn, faults
 
     def get(self, timeout: float | None) -> Command | None:
         if not self.conn.poll(timeout):
             return None
-        return cast(Command, self.conn.recv())
+        command = cast(Command, self.conn.recv())
+        if isinstance(command, Prepare):
+            self.faults.seen(command.change)
+        return command
 
 
 def member_main(name: str, index: int, job: LocalJob, conn: Connection) -> None:
@@ -56,13 +60,17 @@ def member_main(name: str, index: int, job: LocalJob, conn: Connection) -> None:
             if job.device == "cuda"
             else torch.device("cpu")
         )
-        hooks = job.hooks(name) if job.hooks is not None else None
+        faults = Faults(name, job.kills)
+        hooks = combine(job.hooks(name) if job.hooks is not None else None, faults.hooks())
         member = Member(
             name=name, spec=job.spec(), settings=job.settings, device=device,
             deadlines=job.deadlines, job="local", checksums=job.checksums, hooks=hooks,
             hf=job_model(job.config), pretrained=job.config.pretrained,
         )  # fmt: skip
-        run_member(member, _PipeInbox(conn), _reporter(job, conn), _before_step(job))
+        faults.member = member
+        run_member(
+            member, _PipeInbox(conn, faults), _reporter(job, conn), _before_step(job, faults)
+        )
     except BaseException as err:
         conn.send(Crashed(f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
 
@@ -86,11 +94,11 @@ def _reporter(job: LocalJob, conn: Connection) -> Report:
     return report
 
 
-def _before_step(job: LocalJob) -> Callable[[Member], None]:
+def _before_step(job: LocalJob, faults: Faults) -> Callable[[Member], None]:
     """`--checkpoint-every N`: every member asks for a checkpoint after each N-th step; `--kill
     STEP:RANK`: the member at RANK dies as it begins step STEP (`faults`)."""
     every, directory = job.checkpoint_every, job.checkpoint_dir
-    kill = kill_at(job.kills)
+    kill = faults.before_step
 
     def before_step(member: Member) -> None:
         after = member.step + 1

@@ -104,11 +104,15 @@ class Pending:
 
 
 def max_over_world(world: World | None, seconds: float) -> float:
-    """The longest of every member's `seconds` over `world` (a member in no world: its own)."""
+    """The longest of every member's `seconds` over `world` (a member in no world: its own; and
+    when a member of the world died after the switch was decided: the next step sees it)."""
     if world is None:
         return seconds
     value = torch.tensor([seconds], dtype=torch.float64)
-    comm.all_reduce(value, world.group(Axis.WORLD), ReduceOp.MAX)
+    try:
+        comm.all_reduce(value, world.group(Axis.WORLD), ReduceOp.MAX)
+    except RuntimeError:  # torch's: a peer is gone
+        return seconds
     return float(value)
 
 

@@ -46,6 +46,7 @@ from liveshard_core.vps.spec import ModelSpec
 from ..engine import keys
 from ..engine.record import context_logger
 from ..engine.switch import Reconfiguration, SwitchHooks, SwitchResult
+from ..engine.vote import Failure, settle
 from ..engine.world import World, close_in_background
 from . import checkpoint, recovery
 from .agreement import NONE, Readiness
@@ -343,7 +344,7 @@ class Member:
             spec=self.spec, old=change.old, new=change.new, member=self.name, store=self.store,
             epoch=change.epoch, device=self.device, budget=change.budget, deadlines=self.deadlines,
             lost=change.lost, verify=change.verify, job=self.job,
-            hooks=SwitchHooks(self.hooks.before_round, self._before_vote),
+            hooks=dataclasses.replace(self.hooks, before_vote=self._before_vote),
         )  # fmt: skip
         self.pending = Pending(
             change, reconfig, reconfig.prepare_in_background(), time.perf_counter()
@@ -360,10 +361,12 @@ class Member:
         self, epoch: int, reason: str = "dropped on request", cause: Cause = Cause.VOTE_NO
     ) -> Switched:
         """Give up the pending change `epoch` before its switch; joining members waiting for its
-        announcement are told. Safe at any moment: a switch needs every member to have it."""
+        announcement are told, and the abort is recorded as the epoch's decision, so that no
+        member can commit it. Safe at any moment: a switch needs every member to have it."""
         pending = self._pending_epoch(epoch)
         self.pending = None
         pending.reconfig.abort()
+        settle(self.store, epoch, Failure(cause, reason))
         if self.speaks or self.broken is not None:
             announce(self.store, epoch, AbortAnnounced(reason))
         return pending.settled(

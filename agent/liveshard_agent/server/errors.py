@@ -1,6 +1,7 @@
 """The one table from liveshard's errors to gRPC status codes, and the server's own refusals.
 
 - `InvalidInput` (a field that names something impossible) -> INVALID_ARGUMENT;
+- `Overtaken` (an abort of an epoch already in effect: its commit came first) -> ABORTED;
 - any other `PermanentError` (a request the agent cannot take in its state: `Refused`, a plan
   mismatch, a reused epoch, a call out of order) -> FAILED_PRECONDITION;
 - `RetryableError` (`NotNow`, a failed transfer, a prepare past its deadline) -> UNAVAILABLE;
@@ -21,12 +22,17 @@ class Refused(PermanentError):
     """A well-formed request the agent cannot take in its state (FAILED_PRECONDITION)."""
 
 
+class Overtaken(Refused):
+    """An abort of an epoch that is already in effect here: its commit came first (ABORTED)."""
+
+
 class NotNow(RetryableError):
     """A request the agent cannot take yet, but may soon (UNAVAILABLE)."""
 
 
 _TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (InvalidInput, grpc.StatusCode.INVALID_ARGUMENT),
+    (Overtaken, grpc.StatusCode.ABORTED),
     (PermanentError, grpc.StatusCode.FAILED_PRECONDITION),
     (RetryableError, grpc.StatusCode.UNAVAILABLE),
 )

@@ -30,7 +30,7 @@ from ..engine.record import ContextLogger, context_logger
 from ..engine.world import StoreAddress
 from ..runtime.loop import CheckpointAt, Drop, Prepare, Start, Stop, SwitchAt
 from . import requests
-from .errors import NotNow, Refused
+from .errors import NotNow, Overtaken, Refused
 from .inbox import CommandInbox, Ticket
 from .status import Claim, ClaimKind, PendingState, Phase, Snapshot, StatusBoard
 
@@ -226,7 +226,8 @@ class AgentService:
 
     def abort(self, request: pb.AbortRequest, context: Context) -> pb.AbortResponse:
         """OK once epoch `epoch` will not switch here (dropped now, given up before, or never
-        pending); FAILED_PRECONDITION when it (or a later epoch) is in effect."""
+        pending: the drop records the abort as the epoch's decision, so no member can commit
+        it any more); ABORTED when it (or a later epoch) is in effect: its commit came first."""
         epoch = requests.epoch(request.epoch)
         with self._lock:
             snapshot = self._serving()
@@ -355,14 +356,14 @@ def _from_in_effect(old: Layout, training: bool, current: Layout | None, me: str
 
 
 def _nothing_to_abort(epoch: int, snapshot: Snapshot, refusal: str | None = None) -> None:
-    """Return when epoch `epoch` will not switch here; raise Refused when it already has."""
+    """Return when epoch `epoch` will not switch here; raise Overtaken when it already has."""
     last = snapshot.last_switch
     if last is not None and last.epoch == epoch:
         if last.result is Result.COMMITTED:
-            raise Refused(f"epoch {epoch} switched (committed at step {last.step})")
+            raise Overtaken(f"epoch {epoch} switched (committed at step {last.step})")
         return  # given up before
     if epoch <= snapshot.observed.epoch:
-        raise Refused(
+        raise Overtaken(
             f"epoch {epoch} is not after the epoch in effect here, {snapshot.observed.epoch}"
         )
     if refusal is not None and snapshot.pending is not None and snapshot.pending.epoch == epoch:

@@ -6,6 +6,8 @@ function of this module, or a `functools.partial` of one.
 
 from __future__ import annotations
 
+import time
+
 from liveshard_agent.engine.switch import SwitchHooks
 
 
@@ -17,3 +19,18 @@ def votes_no(refusing: str, member: str) -> SwitchHooks:
         raise RuntimeError(f"{refusing} refuses (injected by the test)")
 
     return SwitchHooks(before_vote=refuse) if member == refusing else SwitchHooks()
+
+
+def loses_the_vote(loser: str, late: float, member: str) -> SwitchHooks:
+    """Member `loser`'s view of the vote fails after the all-reduce completed (as when a member
+    dies inside it and the all-reduce completes at some members only): it proposes an abort,
+    `late` seconds after the others proposed their commit (or, with a negative `late`, the others
+    propose `-late` seconds after it)."""
+
+    def fail() -> None:
+        time.sleep(max(late, 0))
+        raise RuntimeError(f"{loser}'s all-reduce failed (injected by the test)")
+
+    if member == loser:
+        return SwitchHooks(before_decision=fail)
+    return SwitchHooks(before_decision=lambda: time.sleep(max(-late, 0)))
