@@ -4,15 +4,19 @@ It brings up the local cluster, installs the chart with helm (the operator), app
 `tiny` job (the built-in Qwen3-format model `qwen3-tiny` on BPE tokens), scales it 4 -> 2 -> 3
 with `kubectl scale`, drains the node of one worker, kills a worker without notice, suspends it
 and resumes it on 2 workers in another layout, and prints
-as it goes each reconfiguration's reason, layouts, pause and bytes, and the loss going on.
+as it goes each reconfiguration's reason, layouts, pause and bytes, and the loss going on. At the
+end it draws the job's story from its status with `liveshard timeline --job` (through kubectl,
+as a user would) and prints where the picture is.
 
-    python -m liveshard_e2e.demo [--keep]
+    python -m liveshard_e2e.demo [--keep] [--timeline FILE.png]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -90,7 +94,20 @@ def _running(members: int, after: int = -1) -> Callable[[dict[str, Any]], bool]:
     return check
 
 
-def run(keep: bool) -> None:
+def draw_timeline(kube: Kube, out: Path) -> None:
+    """The job's story as `liveshard timeline --job` draws it from the job's status."""
+    command = [str(Path(sys.executable).parent / "liveshard"), "timeline", "--job", JOB, "-n",
+               NAMESPACE, "--kubectl", str(kube.info.kubectl), "--out", str(out)]  # fmt: skip
+    drawn = subprocess.run(command, capture_output=True, text=True, env=kube.env(), timeout=120,
+                           check=False)  # fmt: skip
+    if drawn.returncode != 0:
+        print(f"== no timeline: {drawn.stderr.strip()}", flush=True)
+        return
+    print(f"== the job's timeline (liveshard timeline --job {JOB} -n {NAMESPACE}): {out}",
+          flush=True)  # fmt: skip
+
+
+def run(keep: bool, timeline: Path | None = None) -> None:
     print("== bringing up the local cluster (3 nodes)", flush=True)
     info = cluster.up(cluster.ClusterOptions(name="demo", nodes=3))
     admin = Kube(info)
@@ -157,6 +174,7 @@ def run(keep: bool) -> None:
         narrator.say(f"done: step {final['step']}, loss {final['loss']:.4f}, epoch "
                      f"{final['epoch']}, {final['layout']}")  # fmt: skip
         print(kube.kubectl("get", "etj").stdout, flush=True)
+        draw_timeline(kube, timeline or cluster.run_dir("demo") / "timeline.png")
     finally:
         if not keep:
             cluster.down("demo")
@@ -165,7 +183,11 @@ def run(keep: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--keep", action="store_true", help="leave the cluster running")
-    run(parser.parse_args().keep)
+    parser.add_argument("--timeline", type=Path, metavar="FILE.png",
+                        help="where to draw the job's timeline (default: timeline.png in the "
+                        "demo cluster's folder, ~/.cache/liveshard/run/demo)")  # fmt: skip
+    args = parser.parse_args()
+    run(args.keep, args.timeline)
 
 
 if __name__ == "__main__":

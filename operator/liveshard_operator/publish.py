@@ -1,7 +1,9 @@
 """The job's status as one pass leaves it, computed in memory from what the pass saw and decided:
 the world in effect, how many members train, the phase and conditions, the last reconfiguration's
-summary, and the record the next pass reads (`status.reconfiguration`). The executor writes it as
-one merge patch.
+summary, the record the next pass reads (`status.reconfiguration`), and the job's progress
+(`status.progress`: a bounded series of its step, loss and tokens per second, which `liveshard
+timeline --job` draws). The executor writes it as one merge patch: a key the patch leaves out
+(the history, the progress) keeps what the last write gave it.
 
 Pure: the time is the pass's, given.
 """
@@ -9,16 +11,22 @@ Pure: the time is the pass's, given.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
+from liveshard.v1 import agent_pb2 as pb
 from liveshard_core.job import Result
 
 from . import render
 from .conditions import Conditions, stamp
 from .observation import Job, Observation, trains_in
-from .world import InFlight, Record
+from .world import InFlight, Record, World
 
 HISTORY = 20  # reconfigurations kept in status.history, the latest last
+PROGRESS = 200  # samples kept in status.progress; every other one dropped when it is full
+# Seconds at least between two samples: passes can come a tenth of a second apart, and a rate
+# over so short a time is mostly the noise of where the steps fall.
+SAMPLE_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -95,6 +103,10 @@ def status(
         if speaker is not None and speaker.agent is not None:
             out["step"] = int(speaker.agent.step)
             out["loss"] = round(float(speaker.agent.loss), 6)
+            if trains_in(speaker.agent, world.epoch):
+                progress = _progress(job, world, speaker.agent, now)
+                if progress is not None:
+                    out["progress"] = progress
         out.update(epoch=world.epoch, layout=world.describe(), members=list(world.members))
     out["readyReplicas"] = len(training)
     out["spares"] = list(report.spares)
@@ -153,6 +165,60 @@ def _history(job: Job, out: dict[str, Any], now: float) -> list[dict[str, Any]]:
     if history and all(history[-1].get(k) == entry[k] for k in key):
         return history
     return [*history, entry][-HISTORY:]
+
+
+def _progress(
+    job: Job, world: World, speaker: pb.AgentStatus, now: float
+) -> list[dict[str, Any]] | None:
+    """status.progress with a sample of this pass appended, or None when the step has not
+    advanced past the last sample's, or the last sample is not SAMPLE_SECONDS old and of the
+    same layout (the patch then leaves the series as it is): the first sample in a new layout
+    is taken by the pass that saw its reconfiguration end, where the history puts it.
+
+    A sample is the speaker's step (the next one to train) and loss (of the step before), the
+    world's layout and member count, and the tokens per second since the last sample: the
+    steps trained since then times the tokens of a step (global batch x sequence length) over
+    the seconds between the two passes, a reconfiguration's pause included. Full, the series
+    drops every other sample before it takes the new one: it keeps the job's whole span, the
+    latest part the densest.
+    """
+    samples = list(job.status.get("progress") or [])
+    step = int(speaker.step)
+    last = samples[-1] if samples else None
+    if step <= 0:
+        return None
+    seconds = now - _seconds(str(last.get("time", ""))) if last is not None else 0.0
+    if last is not None:
+        soon = 0 <= seconds < SAMPLE_SECONDS and last.get("layout") == world.describe()
+        if step <= int(last.get("step", 0)) or soon:
+            return None
+    sample: dict[str, Any] = {
+        "time": _precise_stamp(now), "step": step, "loss": round(float(speaker.loss), 6),
+        "members": len(world.members), "layout": world.describe(),
+    }  # fmt: skip
+    if last is not None and seconds > 0:  # not behind the last sample (a clock set back)
+        training = job.spec.training
+        tokens = (step - int(last["step"])) * training.global_batch * training.seq_len
+        sample["tokensPerSecond"] = round(tokens / seconds, 1)
+    while len(samples) >= PROGRESS:
+        samples = samples[::2]
+    return [*samples, sample]
+
+
+def _precise_stamp(now: float) -> str:
+    """A timestamp to the millisecond: samples can be a second apart, and their rates are
+    taken over the time between them."""
+    moment = datetime.fromtimestamp(now, UTC).isoformat(timespec="milliseconds")
+    return moment.replace("+00:00", "Z")
+
+
+def _seconds(stamp: str) -> float:
+    """A sample's time as seconds since the epoch; infinite when it cannot be read (the next
+    sample is taken, without a rate)."""
+    try:
+        return datetime.fromisoformat(stamp).timestamp()
+    except ValueError:
+        return float("inf")
 
 
 def invalid_spec(body: dict[str, Any], error: str, now: float) -> dict[str, Any]:

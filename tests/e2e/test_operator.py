@@ -12,6 +12,8 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -153,7 +155,7 @@ def token(kube: Kube) -> str:
     return base64.b64decode(secret["data"]["token"]).decode()
 
 
-def test_scale_down_and_up_live(operator: Kube) -> None:
+def test_scale_down_and_up_live(operator: Kube, tmp_path: Path) -> None:
     kube = operator
     kube.apply(job(4))
     steps = Steps(kube)
@@ -202,6 +204,17 @@ def test_scale_down_and_up_live(operator: Kube) -> None:
     seen = metrics(operator_pod, OPERATOR_METRICS_PORT)
     assert seen[("liveshard_operator_reconcile_seconds_count", "")] > 0
     assert seen[("liveshard_operator_members", "training")] == 3
+    # The job's story from its status (progress and history), drawn through kubectl.
+    png = tmp_path / "timeline.png"
+    drawn = subprocess.run(
+        [str(Path(sys.executable).parent / "liveshard"), "timeline", "--job", JOB, "-n",
+         kube.namespace, "--kubectl", str(kube.info.kubectl), "--out", str(png), "--json"],
+        capture_output=True, text=True, env=kube.env(), timeout=120, check=False,
+    )  # fmt: skip
+    assert drawn.returncode == 0, drawn.stderr
+    summary = json.loads(drawn.stdout)
+    assert summary["layouts"] >= 3 and summary["reconfigurations"] >= 3, summary  # 4, 2, 3
+    assert summary["steps"] >= 3 and png.stat().st_size > 10_000
 
 
 def test_drain_moves_a_worker_out_before_it_is_killed(operator: Kube) -> None:

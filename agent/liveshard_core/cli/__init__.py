@@ -3,7 +3,8 @@
 - `liveshard plan`: the transfer plan of a change, the member assignment, and a dry run;
 - `liveshard layout`: the layout to use for a number of members, its spares and why;
 - `liveshard rebalance`: a pipeline partition from measured layer costs, and packing;
-- `liveshard timeline`: a job's story as a PNG, from `liveshard-local --json` lines.
+- `liveshard timeline`: a job's story as a PNG, from `liveshard-local --json` lines or from a
+  job's status on a cluster (read with kubectl).
 
 Bad arguments exit with status 2 and a one-line reason on stderr.
 """
