@@ -261,21 +261,25 @@ def _note_missing(draft: Draft, members: set[str]) -> None:
 
 
 def _silent(draft: Draft, members: list[str]) -> list[str]:
-    """Members whose agent has answered nothing for the op deadline while another's world
-    broke: dead or hung, they hold up the others; their pods are deleted and they count as
-    lost. The time each was first seen silent is recorded (before its pod is deleted), so the
-    deadline holds across passes and restarts."""
+    """Members that have not said their world broke within the op deadline while another's
+    did: their agent answers nothing (dead, or its node cut off), or answers but its member
+    still trains (its training thread hangs: a collective it was in would have failed by now).
+    They hold up the others; their pods are deleted and they count as lost. The time each was
+    first seen silent is recorded (before its pod is deleted), so the deadline holds across
+    passes and restarts."""
     pods, now = draft.seen.pods, draft.now
     broken = any(_broken(pods.get(m)) for m in members)
     silent = [m for m in members if broken and m in pods and not pods[m].gone
-              and pods[m].agent is None]  # fmt: skip
+              and not _broken(pods[m])]  # fmt: skip
     recorded = draft.record.silent
     since = {m: t for m, t in recorded.items() if m in silent}
     since.update({m: now for m in silent if m not in since})
     draft.record = replace(draft.record, silent=since)
     out = [m for m in silent if now - since[m] >= draft.job.spec.deadlines.op]
     for member in out:
-        why = f"answers nothing while its world is broken: {pods[member].error}"
+        agent = pods[member].agent
+        why = (f"answers nothing while its world is broken: {pods[member].error}" if agent is None
+               else "still trains while its world is broken: its training is hung")  # fmt: skip
         draft.after.append(DeletePod(member, because=why))
     return out
 

@@ -294,6 +294,12 @@ CASES: dict[str, Case] = {
         J3, P2_SILENT, Record(world=W3, silent={"p2": NOW - 10}), "Running", after=["delete p2"],
         ask="begin 2 on p0: p0,p1 from epoch 1 lost=p2 lost p2",
     ),
+    "a member that still trains while its world broke is hung: silent for the op deadline": Case(
+        J3, seen(pod("p0", broken(1), role=M), pod("p1", broken(1), role=M),
+                 pod("p2", training(1), role=M)),
+        Record(world=W3, silent={"p2": NOW - 10}), "Running", after=["delete p2"],
+        ask="begin 2 on p0: p0,p1 from epoch 1 lost=p2 lost p2",
+    ),
     "a member that does not answer while nothing broke is not silent": Case(
         J3, seen(pod("p0", training(1), role=M), pod("p1", training(1), role=M),
                  pod("p2", None, role=M)),
@@ -642,6 +648,10 @@ def test_a_silent_member_is_deleted_saying_why() -> None:
     (delete,) = decide(case.seen, case.record, case.job, NOW).after
     assert delete == DeletePod("p2", "answers nothing while its world is broken: "
                                      "agent p2: UNAVAILABLE")  # fmt: skip
+    hung = CASES["a member that still trains while its world broke is hung: silent for the op "
+                 "deadline"]  # fmt: skip
+    (delete,) = decide(hung.seen, hung.record, hung.job, NOW).after
+    assert delete.because == "still trains while its world is broken: its training is hung"
 
 
 def test_new_pods_are_rendered_from_the_template() -> None:

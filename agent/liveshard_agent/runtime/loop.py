@@ -21,11 +21,12 @@ from typing import Protocol
 from torch.distributed import Store, TCPStore
 
 from liveshard_core.errors import LiveshardError
+from liveshard_core.job import Cause
 from liveshard_core.layout.layout import Layout
 
 from ..engine.world import StoreAddress
 from .change import Change
-from .events import Broke, Finished, Refused, Report, Stepped
+from .events import Broke, Finished, Refused, Report, Stepped, Switched
 from .member import Member, MemberState
 
 _JOIN_POLL = 0.01  # seconds between looks for a switch's announcement while joining
@@ -131,7 +132,10 @@ def run_member(
                 for event in dropped:
                     report(event)
         elif waiting:
-            switched = member.join()
+            try:
+                switched = member.join()
+            except RuntimeError as err:  # torch's: the change's store is gone (its host died)
+                switched = _store_lost(member, err)
             if switched is None:
                 time.sleep(_JOIN_POLL)
             else:
@@ -147,6 +151,15 @@ def run_member(
                     report(saved)
             report(Finished(member.name, member.step))
             finished = True
+
+
+def _store_lost(member: Member, error: RuntimeError) -> Switched | None:
+    """A joining or recovering member whose change's store failed: the change is given up
+    here (the operator begins another, on another store); the member waits as it was."""
+    if member.pending is None:
+        raise error
+    reason = f"the store of epoch {member.pending.change.epoch} failed: {error}".split("\n")[0]
+    return member.drop(member.pending.change.epoch, reason, Cause.PEER_FAILED)
 
 
 def _train_step(member: Member, report: Report) -> None:

@@ -26,6 +26,7 @@ module drives the member; it returns what happened as `events` and must not prin
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -368,7 +369,8 @@ class Member:
         pending.reconfig.abort()
         settle(self.store, epoch, Failure(cause, reason))
         if self.speaks or self.broken is not None:
-            announce(self.store, epoch, AbortAnnounced(reason))
+            with contextlib.suppress(RuntimeError):  # torch's: the store is gone, none reads it
+                announce(self.store, epoch, AbortAnnounced(reason))
         return pending.settled(
             step=self.step, result=Result.ABORTED, cause=cause, reason=reason, pause=0.0,
             report=self.speaks, digests={},

@@ -254,3 +254,21 @@ def test_a_one_member_job_trains_to_its_end(tmp_path: Path) -> None:
         assert saved.phase == Phase.DONE and HfModel.load(out).has_weights
         solo.call("Release", pb.ReleaseRequest())
         assert solo.wait_exit() == 0
+
+
+def test_a_joining_member_whose_store_dies_gives_the_change_up(tmp_path: Path) -> None:
+    """3 agent processes: a1 waits to join a0's world through a store a2 hosts; a2 is killed.
+    a1 gives the change up and stands by, alive, for the next one."""
+    with agents(["a0", "a1", "a2"], tmp_path) as started:
+        a0, a1, a2 = (started[n] for n in ("a0", "a1", "a2"))
+        first = layout(["a0"])
+        a0.call("Prepare", pb.PrepareRequest(epoch=0, store=host_store(a0, 0), to=first))
+        trains(a0, 1)
+        grow = change(1, host_store(a2, 1), first, layout(["a0", "a1"], dp=2), at_step=-1)
+        prepare([a0, a1], grow)  # held: a1 joins once the switch is let go, never here
+        a1.wait_for("epoch 1 prepared", lambda s: s.pending.state == pb.Pending.PREPARED)
+        a2.signal(signal.SIGKILL)
+        status = a1.wait_for("epoch 1 given up", lambda s: s.last_switch.epoch == 1)
+        assert status.last_switch.result == pb.SwitchSummary.ABORTED
+        assert "the store of epoch 1 failed" in status.last_switch.reason
+        assert status.phase == Phase.STANDBY and not status.HasField("pending")
