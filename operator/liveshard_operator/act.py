@@ -17,7 +17,8 @@ from __future__ import annotations
 import base64
 import logging
 from collections.abc import Callable
-from typing import Any, assert_never
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar, assert_never
 
 import grpc
 
@@ -42,6 +43,9 @@ from .kube import ApiError, Kube
 from .spec import JobSpec
 
 log = logging.getLogger(__name__)
+
+FAN_OUT = 32  # agent calls of one pass in flight at once
+T = TypeVar("T")
 
 Events = Callable[[dict[str, Any], str, str, str], None]  # (job, type, reason, message)
 
@@ -91,15 +95,28 @@ class Executor:
 
     def run(self, decision: Decision) -> None:
         """Carry out `decision` (see the module's docstring for the order)."""
+        aborts = [a for a in decision.before if isinstance(a, AbortOn)]
+        overtaking = [r for r in self._fan_out(self._abort, aborts) if r is not None]
+        if overtaking and decision.unaborted is not None:
+            decision = overtaken(decision, *overtaking[0])
         for action in decision.before:
-            if isinstance(action, AbortOn):
-                decision = self._abort(decision, action)
-            else:
+            if not isinstance(action, AbortOn):
                 self._do(decision, action)
         decision = self._answer(decision)
         self.write(decision.status)
+        calls = [a for a in decision.after if isinstance(a, Prepare | ReleaseMember)]
+        self._fan_out(lambda action: self._do(decision, action), calls)
         for action in decision.after:
-            self._do(decision, action)
+            if action not in calls:
+                self._do(decision, action)
+
+    def _fan_out(self, call: Callable[[Any], T], actions: list[Any]) -> list[T]:
+        """`call` on every action at once, at most FAN_OUT at a time: a reconfiguration's agent
+        calls cost the slowest agent's time, not the sum over members."""
+        if len(actions) <= 1:
+            return [call(a) for a in actions]
+        with ThreadPoolExecutor(max_workers=min(FAN_OUT, len(actions))) as pool:
+            return list(pool.map(call, actions))
 
     def _answer(self, decision: Decision) -> Decision:
         ask = decision.ask
@@ -112,7 +129,8 @@ class Executor:
             log.info("job %s: epoch %s: %s", self.name, plan.epoch, plan.reason)
             return hosted(decision, store)
         if isinstance(ask, Checkpoint):
-            for member in ask.members:
+
+            def take(member: str) -> bool:
                 try:
                     self.clients[member].checkpoint(
                         ask.number, ask.path, ask.at_step, ask.export_to
@@ -121,8 +139,10 @@ class Executor:
                     log.warning(
                         "job %s: checkpoint %s on %s: %s", self.name, ask.number, member, err
                     )
-                    return checkpointed(decision, taken=False)
-            return checkpointed(decision, taken=True)
+                    return False
+                return True
+
+            return checkpointed(decision, taken=all(self._fan_out(take, list(ask.members))))
         return decision
 
     def _do(self, decision: Decision, action: Action) -> None:
@@ -141,25 +161,25 @@ class Executor:
             case Prepare():
                 self._prepare(action)
             case AbortOn():
-                self._abort(decision, action)
+                self._abort(action)
             case Event():
                 self._post(decision, action)
             case _:
                 assert_never(action)
 
-    def _abort(self, decision: Decision, abort: AbortOn) -> Decision:
-        """Abort the epoch on one member; the decision without its abort when the member
-        answers ABORTED: the epoch is in effect there (the commit came first)."""
+    def _abort(self, abort: AbortOn) -> tuple[str, str] | None:
+        """Abort the epoch on one member; (member, why) when it answers ABORTED: the epoch is
+        in effect there (the commit came first)."""
         try:
             self.clients[abort.member].abort(abort.epoch)
         except AgentError as err:
             log.info("job %s: aborting epoch %s on %s: %s", self.name, abort.epoch,
                      abort.member, err)  # fmt: skip
-            if err.code is grpc.StatusCode.ABORTED and decision.unaborted:
-                return overtaken(decision, abort.member, err.details)
+            if err.code is grpc.StatusCode.ABORTED:
+                return abort.member, err.details
         except KeyError:
             pass  # no client: the agent never answered
-        return decision
+        return None
 
     def _release(self, member: str, saved: int) -> None:
         client = self.clients.get(member)
