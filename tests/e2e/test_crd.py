@@ -219,6 +219,11 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
         ["spec.parallelism.zero", "Unsupported value: 2"],
     ),
     (
+        "pipeline schedule unknown",
+        {"spec.parallelism.pipelineSchedule": "2f2b"},
+        ["spec.parallelism.pipelineSchedule", 'Unsupported value: "2f2b"'],
+    ),
+    (
         "fixed pp with ppMax",
         {"spec.parallelism.pp": 2, "spec.parallelism.ppMax": 4},
         ["spec.parallelism.ppMax bounds a free pp"],
@@ -422,6 +427,10 @@ def test_fields_fixed_for_a_jobs_life_stay_fixed(jobs: Kube) -> None:
         ({"training": {"weightDecay": 0.0}}, "only spec.training.steps may change"),
         ({"port": 7071}, "spec.port is immutable"),
         ({"device": "cuda"}, "spec.device is immutable"),
+        (
+            {"parallelism": {"pipelineSchedule": "gpipe"}},
+            "spec.parallelism.pipelineSchedule is fixed for the life of a job",
+        ),
     ]:
         refused = jobs.kubectl(
             "patch", "etj/fixed", "--type=merge", "-p", json.dumps({"spec": change}), check=False

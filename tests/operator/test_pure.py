@@ -48,6 +48,9 @@ def test_spec_parses_with_defaults_and_agent_config() -> None:
     assert spec.deadlines == Deadlines(op=30.0, switch=120.0, prepare=300.0)
     config = json.loads(spec.agent_config())
     assert config["model"] == {"preset": "tiny"} and config["training"]["global_batch"] == 24
+    assert config["training"]["pipeline_schedule"] == "1f1b"  # the default
+    gpipe = JobSpec.parse({**JOB["spec"], "parallelism": {"pipelineSchedule": "gpipe"}})
+    assert json.loads(gpipe.agent_config())["training"]["pipeline_schedule"] == "gpipe"
     # On CPU the model trains in fp32 without a master copy, as the agents build it.
     assert spec.model_spec().config.param_dtype.value == "fp32"
 
@@ -61,6 +64,7 @@ def test_spec_parses_with_defaults_and_agent_config() -> None:
         ({"reconfiguration": {"memoryBudget": "lots"}}, "memoryBudget='lots'"),
         ({"parallelism": {"tp": 3}}, "spec.parallelism: layout: tp=3 must divide heads=4 of tiny"),
         ({"parallelism": {"ep": 2}}, "ep=2 must divide the number of experts"),
+        ({"parallelism": {"pipelineSchedule": "2f2b"}}, "spec.parallelism.pipelineSchedule='2f2b'"),
     ],
 )
 def test_bad_specs_name_the_field(change: dict, fragment: str) -> None:

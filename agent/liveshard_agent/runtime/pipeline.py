@@ -1,26 +1,38 @@
-"""One training step of one rank: the GPipe schedule over micro-batches, then the update.
+"""One training step of one rank: its stage's micro-batches in the order of the pipeline schedule
+(`pipeline_schedule`: GPipe or 1F1B), then the update.
 
-Every stage runs the forward of all its micro-batches in order (receiving each input from the
-previous stage and sending each output to the next over the pp group), then their backwards in
-reverse order (receiving output gradients from the next stage and sending input gradients to the
-previous one). Sends are posted without waiting and waited for before the step ends, so no stage
-ever waits on a stage that waits on it. The loss of a micro-batch is its tokens' cross-entropy sum
-divided by the global batch's token count, plus its MoE auxiliary loss divided by the number of
-micro-batches in the global batch: summed over micro-batches and replicas it is the global batch's
-mean loss, whatever the data-parallel degree.
+A forward receives its input from the previous stage and sends its output to the next over the pp
+group; a backward receives its output's gradient from the next stage and sends its input's
+gradient to the previous one, as the stage's program (`pipeline_schedule.stage_program`) posts
+them: one group call per action on NCCL, one message at a time on gloo. Receives are waited for
+before their pass; sends are posted without waiting, so no stage ever waits on a stage that waits
+on it. A send is waited for once its receiver is known to have received it (something the
+receiver sent later in its own order has arrived), the rest at the end of the step: a
+micro-batch's saved activations are freed when its backward has run, its output when the next
+stage's backward of it has come back.
+
+The loss of a micro-batch is its tokens' cross-entropy sum divided by the global batch's token
+count, plus its MoE auxiliary loss divided by the number of micro-batches in the global batch:
+summed over micro-batches and replicas it is the global batch's mean loss, whatever the
+data-parallel degree.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.distributed import Work
 
+from ..engine import backend
+from ..engine.backend import Group
 from ..engine.world import Axis
 from .data import Dataset
 from .model import StageModel
 from .optimizer import Optimizer, UpdateStats
+from .pipeline_schedule import Message, Pass, PipelineSchedule, stage_order, stage_program
+
+Order = list[tuple[Pass, int]]
 
 
 @dataclass(frozen=True)
@@ -47,50 +59,144 @@ def train_step(
     all-reduce (the global norm's, which also sums the loss), so that members can agree on
     something at every step boundary without a collective of its own."""
     weights, settings = model.weights, model.settings
-    layout, world = weights.layout, weights.world
+    layout = weights.layout
     pp_i, dp_i, tp_i = layout.coords(weights.rank)
     micro = settings.micro_batches(layout.dp)
-    total_micro = settings.global_batch // settings.micro_batch
-    first_sample += dp_i * (settings.global_batch // layout.dp)
-    tokens = settings.tokens_per_step
-    pp = world.group(Axis.PP)
-    device = weights.state.device
-    dtype = weights.all()[0].tensors[0].dtype
-    shape = (settings.micro_batch, settings.seq_len, model.cfg.hidden)
+    schedule = PipelineSchedule(settings.pipeline_schedule)
 
     weights.gather()
-    sends: list[Work] = []
-    saved: list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]] = []
-    ce_sum = aux_sum = 0.0
-    fed: list[int] = []
-    for m in range(micro):
-        batch = dataset.batch(first_sample + m * settings.micro_batch, settings.micro_batch)
-        if model.first and tp_i == 0:
-            fed += batch.samples.tolist()
-        hidden = None
-        if not model.first:
-            hidden = torch.empty(shape, dtype=dtype, device=device)
-            pp.recv([hidden], pp_i - 1, m).wait()
+    stage = _Stage(
+        model, dataset, step,
+        first_sample + dp_i * (settings.global_batch // layout.dp),
+        orders=[stage_order(schedule, layout.pp, i, micro) for i in range(layout.pp)],
+        feeds=model.first and tp_i == 0,
+    )  # fmt: skip
+    for action in stage_program(schedule, layout.pp, pp_i, micro):
+        received = stage.post(action.messages)
+        if action.run is None:
+            continue
+        kind, m = action.run
+        if kind is Pass.FORWARD:
+            stage.forward(m, received)
+        else:
+            stage.backward(m, received)
+    for work in [*stage.to_next.values(), *stage.to_prev.values()]:
+        work.wait()
+    # The loss lives on the last stage, the auxiliary loss on every stage; tp ranks hold copies.
+    # They are summed in the update's one all-reduce over the world, with the agreement values.
+    totals = (
+        stage.ce_sum if model.last and tp_i == 0 else 0.0,
+        stage.aux_sum if tp_i == 0 else 0.0,
+    )
+    update = optimizer.step(step, adam_step, (*totals, *agreement))
+    total_micro = settings.global_batch // settings.micro_batch
+    return StepStats(
+        loss=update.totals[0] / settings.tokens_per_step,
+        aux_loss=update.totals[1] / total_micro,
+        update=update,
+        samples=tuple(stage.fed),
+        agreement=update.totals[2:],
+    )
+
+
+@dataclass
+class _Stage:
+    """One step's passes on this rank: what its micro-batches saved for their backwards, the
+    outputs not yet posted, the sends not yet waited for, the loss sums."""
+
+    model: StageModel
+    dataset: Dataset
+    step: int
+    first_sample: int  # this replica's first
+    orders: list[Order]  # every stage's order: a peer's tells which of our sends it received
+    feeds: bool  # whether this rank reports the samples it fed in
+    saved: dict[int, tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict
+    )  # by micro-batch: its input (None on the first stage), its output or loss, its aux term
+    outbox: dict[tuple[Pass, int], torch.Tensor] = field(default_factory=dict)  # to be sent
+    to_next: dict[int, Work] = field(default_factory=dict)  # outputs, by micro-batch
+    to_prev: dict[int, Work] = field(default_factory=dict)  # input gradients, by micro-batch
+    ce_sum: float = 0.0
+    aux_sum: float = 0.0
+    fed: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        weights, settings = self.model.weights, self.model.settings
+        self.pp_i = weights.layout.coords(weights.rank)[0]
+        self.micro = len(self.orders[0]) // 2
+        self.device = weights.state.device
+        self.dtype = weights.all()[0].tensors[0].dtype
+        self.shape = (settings.micro_batch, settings.seq_len, self.model.cfg.hidden)
+        self.aux_scale = settings.aux_loss_coef / (settings.global_batch // settings.micro_batch)
+
+    @property
+    def pp(self) -> Group:
+        return self.model.weights.world.group(Axis.PP)
+
+    def post(self, messages: tuple[Message, ...]) -> torch.Tensor | None:
+        """Post `messages` (one group call on NCCL) and wait for the one receive among them;
+        returns what it received."""
+        if not messages:
+            return None
+        group, coalesce = self.pp, backend.coalesces(self.device)
+        if coalesce:
+            backend.start_coalescing(group, self.device)
+        works: list[Work] = []
+        received = None
+        for message in messages:
+            tag = message.micro + (self.micro if message.carries is Pass.BACKWARD else 0)
+            if message.send:
+                buffer = self.outbox.pop((message.carries, message.micro))
+                works.append(group.send([buffer], message.peer, tag))
+            else:
+                received = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                works.append(group.recv([received], message.peer, tag))
+        if coalesce:
+            works = [backend.end_coalescing(group, self.device)] * len(messages)
+        for message, work in zip(messages, works, strict=True):
+            if message.send:
+                sends = self.to_next if message.peer > self.pp_i else self.to_prev
+                sends[message.micro] = work
+            else:
+                work.wait()
+                # The peer ran every pass before the one that sent this: those of its passes
+                # that receive our messages have received them.
+                reached = (message.carries, message.micro)
+                if message.peer < self.pp_i:
+                    self._settle(self.to_prev, self.orders[message.peer], reached)
+                else:
+                    self._settle(self.to_next, self.orders[message.peer], reached)
+        return received
+
+    def forward(self, m: int, hidden: torch.Tensor | None) -> None:
+        model, settings = self.model, self.model.settings
+        batch = self.dataset.batch(
+            self.first_sample + m * settings.micro_batch, settings.micro_batch
+        )
+        if self.feeds:
+            self.fed += batch.samples.tolist()
+        if hidden is not None:
             hidden.requires_grad_(True)
-        out = model.forward(batch, hidden, step)
-        aux = out.aux if out.aux is not None else torch.zeros((), device=device)
-        aux_sum += float(aux.detach())
-        aux_term = aux * (settings.aux_loss_coef / total_micro)
+        out = model.forward(batch, hidden, self.step)
+        aux = out.aux if out.aux is not None else torch.zeros((), device=self.device)
+        self.aux_sum += float(aux.detach())
+        aux_term = aux * self.aux_scale
         if model.last:
             assert out.loss_sum is not None
-            ce_sum += float(out.loss_sum.detach())
-            saved.append((hidden, out.loss_sum / tokens + aux_term, aux_term))
+            self.ce_sum += float(out.loss_sum.detach())
+            loss = out.loss_sum / settings.tokens_per_step + aux_term
+            self.saved[m] = (hidden, loss, aux_term)
         else:
             assert out.hidden is not None
-            sends.append(pp.send([out.hidden.detach().contiguous()], pp_i + 1, m))
-            saved.append((hidden, out.hidden, aux_term))
-    for m in reversed(range(micro)):
-        hidden, output, aux_term = saved.pop()
-        if model.last:
+            self.outbox[(Pass.FORWARD, m)] = out.hidden.detach().contiguous()
+            self.saved[m] = (hidden, out.hidden, aux_term)
+
+    def backward(self, m: int, grad: torch.Tensor | None) -> None:
+        hidden, output, aux_term = self.saved.pop(m)
+        if self.model.last:
             torch.autograd.backward([output])  # the loss, its own aux term included
         else:
-            grad = torch.empty(shape, dtype=dtype, device=device)
-            pp.recv([grad], pp_i + 1, micro + m).wait()
+            assert grad is not None
             outputs, grads = [output], [grad]
             if aux_term.requires_grad:  # MoE layers on this stage
                 outputs.append(aux_term)
@@ -98,17 +204,17 @@ def train_step(
             torch.autograd.backward(outputs, grads)
         if hidden is not None:
             assert hidden.grad is not None
-            sends.append(pp.send([hidden.grad.contiguous()], pp_i - 1, micro + m))
-    for work in sends:
-        work.wait()
-    # The loss lives on the last stage, the auxiliary loss on every stage; tp ranks hold copies.
-    # They are summed in the update's one all-reduce over the world, with the agreement values.
-    totals = (ce_sum if model.last and tp_i == 0 else 0.0, aux_sum if tp_i == 0 else 0.0)
-    update = optimizer.step(step, adam_step, (*totals, *agreement))
-    return StepStats(
-        loss=update.totals[0] / tokens,
-        aux_loss=update.totals[1] / total_micro,
-        update=update,
-        samples=tuple(fed),
-        agreement=update.totals[2:],
-    )
+            self.outbox[(Pass.BACKWARD, m)] = hidden.grad.contiguous()
+
+    @staticmethod
+    def _settle(sends: dict[int, Work], peer: Order, reached: tuple[Pass, int]) -> None:
+        """Wait for the sends to `peer` whose receiving pass comes before `reached` in its
+        order: they have completed, so waiting cannot block. `reached` is what `peer` sent us
+        (a backward from the next stage, a forward from the previous one), the receiving
+        passes the other kind (the next stage's forwards take our outputs, the previous
+        stage's backwards our input gradients)."""
+        receiving = Pass.BACKWARD if reached[0] is Pass.FORWARD else Pass.FORWARD
+        for kind, m in peer[: peer.index(reached)]:
+            work = sends.pop(m, None) if kind is receiving else None
+            if work is not None:
+                work.wait()

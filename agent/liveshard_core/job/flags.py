@@ -1,5 +1,6 @@
 """The training settings as command-line flags: one flag per `TrainingSettings` field, named
-after it (`global_batch` -> `--global-batch`), typed and documented by the field itself."""
+after it (`global_batch` -> `--global-batch`), typed, documented and (where the field lists them)
+limited to its choices by the field itself."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def add_training_flags(
         shown = "" if default is None else f" (default {default})"
         group.add_argument(
             flag(f.name), dest=f.name, type=setting_type(f.type), default=default,
-            help=f.metadata["help"] + shown,
+            choices=f.metadata.get("choices"), help=f.metadata["help"] + shown,
         )  # fmt: skip
 
 

@@ -4,25 +4,33 @@ The global batch is fixed for the whole job: a layout's data-parallel degree onl
 micro-batches each replica runs (`micro_batches`). A layout whose global batch does not divide into
 dp x micro-batch is rejected before any byte moves, with an error naming the numbers.
 
-Each field is one setting everywhere: `spec.training.<camelCase>` in the CRD, `--<kebab-case>` of
-`liveshard-local` (see `flags`), the field's own name in the agent's JSON. Its `help` metadata is
-the flag's help text.
+Each field is one setting everywhere: `spec.training.<camelCase>` in the CRD (or
+`spec.<section>.<camelCase>` where its `crd` metadata names another section: the pipeline schedule
+is a parallelism field there), `--<kebab-case>` of `liveshard-local` (see `flags`), the field's own
+name in the agent's JSON. Its `help` metadata is the flag's help text, its `choices` metadata (if
+any) the values it may take.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from ..errors import InvalidInput
 
 DATA_ORDERS = ("shuffled", "sequential")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 
 
-def _setting(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
+def _setting(
+    default: Any, help: str, *, choices: tuple[str, ...] | None = None, crd: str = "training"
+) -> Any:
+    metadata: dict[str, Any] = {"help": help, "crd": crd}
+    if choices is not None:
+        metadata["choices"] = choices
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
@@ -56,7 +64,17 @@ class TrainingSettings:
         None, "a tokenizer.json (default: the model directory's, if it has one)"
     )
     data_order: str = _setting(
-        "shuffled", "sequential, or shuffled: a permutation of the samples that the seed fixes"
+        "shuffled",
+        "sequential, or shuffled: a permutation of the samples that the seed fixes",
+        choices=DATA_ORDERS,
+    )
+    pipeline_schedule: str = _setting(
+        "1f1b",
+        "the order of a stage's micro-batches: 1f1b (one forward, one backward: a stage holds "
+        "at most pp micro-batches' activations) or gpipe (all forwards, then all backwards: it "
+        "holds all of them); the same losses",
+        choices=PIPELINE_SCHEDULES,
+        crd="parallelism",
     )
 
     def __post_init__(self) -> None:
@@ -69,10 +87,12 @@ class TrainingSettings:
                 f"training: micro_batch={self.micro_batch} must divide "
                 f"global_batch={self.global_batch}"
             )
-        if self.data_order not in DATA_ORDERS:
-            raise InvalidInput(
-                f"training: data_order={self.data_order!r} must be one of {list(DATA_ORDERS)}"
-            )
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            if choices is not None and getattr(self, f.name) not in choices:
+                raise InvalidInput(
+                    f"training: {f.name}={getattr(self, f.name)!r} must be one of {list(choices)}"
+                )
         if not 0 <= self.dropout < 1:
             raise InvalidInput(f"training: dropout={self.dropout} must be in [0, 1)")
         if self.min_lr is None:
@@ -115,14 +135,40 @@ class TrainingSettings:
         return asdict(self)
 
     @classmethod
+    def from_crd(cls, spec: dict[str, Any]) -> TrainingSettings:
+        """The settings of an ElasticTrainingJob's spec: `spec.training.<camelCase>`, and each
+        setting whose `crd` metadata names another section at `spec.<section>.<camelCase>`
+        (`spec.parallelism.pipelineSchedule`). Errors name the field as the CRD spells it."""
+        settings = cls.from_dict(spec.get("training") or {}, "spec.training", camel, "training")
+        elsewhere: dict[str, tuple[Any, str]] = {}
+        for f in fields(cls):
+            section, name = f.metadata["crd"], camel(f.name)
+            values = spec.get(section)
+            if section != "training" and isinstance(values, dict) and name in values:
+                where = f"spec.{section}.{name}"
+                elsewhere[f.name] = (_typed(values[name], f.type, where), where)
+        try:
+            return replace(settings, **{name: value for name, (value, _) in elsewhere.items()})
+        except InvalidInput as err:
+            message = str(err).removeprefix("training: ")
+            for name, (_, where) in elsewhere.items():
+                message = message.replace(f"{name}=", f"{where}=")
+            raise InvalidInput(message) from None
+
+    @classmethod
     def from_dict(
-        cls, data: Any, where: str = "training", key: Callable[[str], str] = lambda name: name
+        cls,
+        data: Any,
+        where: str = "training",
+        key: Callable[[str], str] = lambda name: name,
+        section: str | None = None,
     ) -> TrainingSettings:
         """The settings from a mapping whose keys are `key(field name)` (the field names, or
-        the CRD's camelCase); a missing key takes the default. Errors name `where.key`."""
+        the CRD's camelCase); a missing key takes the default. With `section`, only the settings
+        the CRD holds in that section are valid keys. Errors name `where.key`."""
         if not isinstance(data, dict):
             raise InvalidInput(f"{where} must be an object of settings, got {type(data).__name__}")
-        by_key = {key(f.name): f for f in fields(cls)}
+        by_key = {key(f.name): f for f in fields(cls) if section in (None, f.metadata["crd"])}
         unknown = sorted(set(data) - set(by_key))
         if unknown:
             raise InvalidInput(

@@ -1,5 +1,6 @@
 """The job contract is written once: every training setting is a field of `TrainingSettings`, a
-property of the CRD's `spec.training` and a flag of `liveshard-local`, and a job's configuration
+property of the CRD's `spec.training` (or of the section its `crd` metadata names:
+`spec.parallelism.pipelineSchedule`) and a flag of `liveshard-local`, and a job's configuration
 travels CRD -> operator -> agent and flags -> launcher unchanged. No process, no cluster."""
 
 from __future__ import annotations
@@ -26,23 +27,36 @@ CHANGED: dict[str, Any] = {
     "global_batch": 12, "micro_batch": 3, "seq_len": 32, "steps": 7, "seed": 5, "lr": 0.01,
     "min_lr": 0.002, "warmup_steps": 3, "weight_decay": 0.05, "beta1": 0.8, "beta2": 0.9,
     "eps": 1e-6, "clip_norm": 0.5, "dropout": 0.1, "aux_loss_coef": 0.02, "data": "/data/text",
-    "tokenizer": "/data/tokenizer.json", "data_order": "sequential",
+    "tokenizer": "/data/tokenizer.json", "data_order": "sequential", "pipeline_schedule": "gpipe",
 }  # fmt: skip
 
 
-def training_schema() -> dict[str, Any]:
+def section_schema(section: str) -> dict[str, Any]:
     crd = yaml.safe_load((ROOT / "crds" / "elastictrainingjobs.liveshard.io.yaml").read_text())
     spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    return dict(spec["properties"]["training"]["properties"])
+    return dict(spec["properties"][section]["properties"])
+
+
+def crd_sections(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Settings by field name as the CRD's spec holds them: `{section: {camelCase: value}}`."""
+    sections: dict[str, dict[str, Any]] = {}
+    for f in dataclasses.fields(TrainingSettings):
+        if f.name in values:
+            sections.setdefault(f.metadata["crd"], {})[camel(f.name)] = values[f.name]
+    return sections
 
 
 def test_every_setting_is_a_crd_property_of_its_type_and_default() -> None:
-    properties = training_schema()
     settings = dataclasses.fields(TrainingSettings)
-    assert sorted(properties) == sorted(camel(f.name) for f in settings)
+    assert sorted(section_schema("training")) == sorted(
+        camel(f.name) for f in settings if f.metadata["crd"] == "training"
+    )
     for f in settings:
-        prop = properties[camel(f.name)]
+        prop = section_schema(f.metadata["crd"])[camel(f.name)]
         assert prop["type"] == SCHEMA_TYPES[setting_type(f.type)], f.name
+        assert prop.get("enum") == (
+            list(f.metadata["choices"]) if "choices" in f.metadata else None
+        )
         if "default" in prop:
             assert prop["default"] == CRD_DEFAULTS.get(f.name, f.default), f.name
         else:  # no default: the settings' own applies, or the setting is required
@@ -62,7 +76,7 @@ def test_a_job_travels_from_the_crd_through_the_operator_to_the_agent() -> None:
 
     spec = {
         "replicas": 2, "model": {"preset": "tiny", "precision": "bf16"}, "device": "cpu",
-        "training": {camel(name): value for name, value in CHANGED.items()},
+        **crd_sections(CHANGED),
         "reconfiguration": {"memoryBudget": "8Mi", **{key: 10.0 * (i + 1) for i, key in
                                                       enumerate(DEADLINE_FIELDS.values())}},
     }  # fmt: skip
@@ -96,6 +110,15 @@ def test_settings_errors_name_the_field_as_each_side_spells_it() -> None:
         TrainingSettings.from_dict({"seqLen": "x"}, "training", camel)
     with pytest.raises(InvalidInput, match=r"unknown field\(s\) \['nope'\]"):
         TrainingSettings.from_dict({"nope": 1})
+    # A setting the CRD holds outside spec.training, named where it is.
+    with pytest.raises(InvalidInput, match=r"^spec\.parallelism\.pipelineSchedule='2f2b' must be "
+                       r"one of \['gpipe', '1f1b'\]$"):  # fmt: skip
+        TrainingSettings.from_crd({"parallelism": {"tp": 2, "pipelineSchedule": "2f2b"}})
+    with pytest.raises(InvalidInput, match=r"spec\.parallelism\.pipelineSchedule=1 must be a str"):
+        TrainingSettings.from_crd({"parallelism": {"pipelineSchedule": 1}})
+    with pytest.raises(InvalidInput, match=r"spec\.training: unknown field\(s\) \['pipelineSch"):
+        TrainingSettings.from_crd({"training": {"pipelineSchedule": "gpipe"}})
+    assert TrainingSettings.from_crd({"parallelism": {"tp": 2}}).pipeline_schedule == "1f1b"
 
 
 def test_min_lr_defaults_to_a_tenth_of_lr() -> None:
