@@ -95,10 +95,12 @@ class Draft:
                         self.unaborted)  # fmt: skip
 
     def keep_pods(self, wanted: int, members: set[str], saved: int = 0) -> None:
-        """Create pods until `wanted` live ones exist; delete surplus pods not in `members`
-        (`saved`: see `ReleaseMember`)."""
+        """Create pods until `wanted` live ones exist, unless pods that failed to start hold
+        creations back (`start_failures`); delete surplus pods not in `members` (`saved`: see
+        `ReleaseMember`)."""
         live = self.seen.live()
-        for _ in range(wanted - len(live)):
+        backing_off = self.now < self.record.start_failures.retry_after
+        for _ in range(0 if backing_off else wanted - len(live)):
             self.after.append(CreatePod(render.worker_pod(self.job.body, self.job.spec)))
         surplus = [p for p in reversed(live) if p.name not in members]
         for pod in surplus[: max(len(live) - wanted, 0)]:

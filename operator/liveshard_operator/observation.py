@@ -2,7 +2,10 @@
 each is leaving or gone, and what each pod's agent said.
 
 A pod the scheduler could not place carries the scheduler's verdict (`unschedulable`); a pod's
-`since` is when it was scheduled (else created): how long it has had to become ready.
+`since` is when it was scheduled (else created): how long it has had to become ready. A pod whose
+container ended with an error or crash-loops carries the kubelet's account of it (`failure`: the
+container, its reason, exit code and the last lines of its termination message); a pod the kubelet
+ended from outside (evicted, its node shut down: the pod's own `reason`) did not fail.
 
 A pod is *leaving* when it is being deleted, has a `DisruptionTarget` condition, or sits on a
 node that is cordoned or tainted `NoExecute`: its state must move out now. A pod is *gone* when
@@ -64,6 +67,7 @@ class Pod:
     error: str = ""
     since: float = 0.0  # when it was scheduled, else created (seconds since the epoch)
     unschedulable: str = ""  # the scheduler's "reason: message" when it could not place it
+    failure: str = ""  # how a container of it failed, as the kubelet says ("": none did)
 
     @property
     def ready(self) -> bool:
@@ -122,6 +126,44 @@ def _scheduling(pod: dict[str, Any]) -> tuple[float, str]:
     return created, ""
 
 
+_TAIL_LINES = 3  # of a termination message (the agent's last log lines on an error)
+_TAIL_CHARS = 500
+
+
+def _tail(message: str) -> str:
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    tail = " | ".join(lines[-_TAIL_LINES:])
+    return tail if len(tail) <= _TAIL_CHARS else "..." + tail[-_TAIL_CHARS:]
+
+
+def _ended(name: str, terminated: dict[str, Any], prefix: str = "") -> str:
+    how = f"{terminated.get('reason') or 'Error'}, exit code {terminated.get('exitCode')}"
+    tail = _tail(str(terminated.get("message") or ""))
+    return f"container {name}: {prefix}{how}" + (f": {tail}" if tail else "")
+
+
+def failure(pod: dict[str, Any]) -> str:
+    """How a container of `pod` failed, from its status ("": none did; see the module's
+    docstring): an init or a regular container that ended with a non-zero exit code, or one
+    the kubelet restarts in a crash loop."""
+    status = pod.get("status") or {}
+    if status.get("reason"):
+        return ""
+    for entry in [*(status.get("initContainerStatuses") or []),
+                  *(status.get("containerStatuses") or [])]:  # fmt: skip
+        name, state = str(entry.get("name", "")), entry.get("state") or {}
+        terminated = state.get("terminated") or {}
+        if terminated and int(terminated.get("exitCode") or 0) != 0:
+            return _ended(name, terminated)
+        waiting = state.get("waiting") or {}
+        if waiting.get("reason") == "CrashLoopBackOff":
+            last = (entry.get("lastState") or {}).get("terminated") or {}
+            if last:
+                return _ended(name, last, "crash-looping, last ")
+            return f"container {name}: CrashLoopBackOff: {waiting.get('message', '')}".rstrip(": ")
+    return ""
+
+
 def pod_of(
     pod: dict[str, Any], leaving_nodes: set[str], agent: pb.AgentStatus | None, error: str = ""
 ) -> Pod:
@@ -133,5 +175,5 @@ def pod_of(
         role=(meta.get("labels") or {}).get(ROLE_LABEL, ""),
         leaving=leaving(pod, leaving_nodes), gone=gone(pod),
         created=meta.get("creationTimestamp", ""), agent=agent, error=error, since=since,
-        unschedulable=unschedulable,
+        unschedulable=unschedulable, failure=failure(pod),
     )  # fmt: skip

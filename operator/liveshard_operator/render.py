@@ -117,6 +117,9 @@ def worker_pod(job: dict[str, Any], spec: JobSpec) -> dict[str, Any]:
         {"tcpSocket": {"port": spec.port}, "periodSeconds": 2, "failureThreshold": 3},
     )
     agent.setdefault("securityContext", copy.deepcopy(AGENT_SECURITY))
+    # An agent that cannot start says why in its last log lines (a configuration it refuses): the
+    # kubelet keeps them as its termination message, which the operator reports.
+    agent.setdefault("terminationMessagePolicy", "FallbackToLogsOnError")
     pod_spec["containers"] = containers
     pod_spec.setdefault("securityContext", copy.deepcopy(POD_SECURITY))
     # The agent never calls the API server: worker code gets no credential for it.

@@ -6,9 +6,10 @@ that some layout fits at all. `JobSpec.parse` raises `InvalidInput` naming the f
 and what would be valid; the controller reports it as a condition, never as a crash.
 
 What every agent of the job shares is one `liveshard_core.job.JobConfig`, built here from the CRD
-once (`spec.training.<camelCase>` is the settings field of that name) and sent to the agents as
-its own JSON; the rest is the operator's: replicas, parallelism constraints, checkpoints, the pod
-template.
+once (`spec.training.<camelCase>` is the settings field of that name, and
+`spec.parallelism.pipelineSchedule` the pipeline schedule's: `TrainingSettings.from_crd`) and sent
+to the agents as its own JSON; the rest is the operator's: replicas, parallelism constraints,
+checkpoints, the pod template.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ from typing import Any
 from liveshard_core.errors import InvalidInput
 from liveshard_core.job import DEFAULT_BUDGET, DEFAULT_PORT, Deadlines, JobConfig, TrainingSettings
 from liveshard_core.job.config import model_config
-from liveshard_core.job.settings import camel
 from liveshard_core.layout.layout import Degrees
 from liveshard_core.vps.spec import ModelSpec
 
 PENDING_TIMEOUT = 600  # spec.scheduling.pendingTimeoutSeconds's default
+MAX_START_FAILURES = 5  # spec.scheduling.maxStartFailures's default
 _UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9}
 # spec.reconfiguration's deadline fields, by the Deadlines field they set.
 DEADLINE_FIELDS = {
@@ -74,6 +75,7 @@ class JobSpec:
     pending_timeout: float  # seconds a scheduled pod that is not ready may hold the job up
     gang: bool  # its pods are scheduled as a PodGroup of minReplicas
     suspend: bool  # save the state to a checkpoint and release every pod until it is false
+    max_start_failures: int  # pods failed to start in a row before the job without a world fails
     template: dict[str, Any] = field(repr=False)
 
     @classmethod
@@ -98,9 +100,7 @@ class JobSpec:
             init=model.get("init"),
             precision=model.get("precision"),
             device=spec.get("device") or ("cuda" if _requests_gpus(template) else "cpu"),
-            training=TrainingSettings.from_dict(
-                spec.get("training") or {}, "spec.training", key=camel
-            ),
+            training=TrainingSettings.from_crd(spec),
             deadlines=_deadlines(reconf),
             budget_bytes=parse_quantity(
                 reconf.get("memoryBudget", DEFAULT_BUDGET), "spec.reconfiguration.memoryBudget"
@@ -126,6 +126,10 @@ class JobSpec:
             pending_timeout=float(scheduling.get("pendingTimeoutSeconds", PENDING_TIMEOUT)),
             gang=bool(scheduling.get("gang", False)),
             suspend=bool(spec.get("suspend", False)),
+            max_start_failures=_at_least_one(
+                scheduling.get("maxStartFailures", MAX_START_FAILURES),
+                "spec.scheduling.maxStartFailures",
+            ),
             template=template,
         )
         if job.suspend and not job.checkpoint_path:
@@ -184,6 +188,12 @@ def _deadlines(reconf: dict[str, Any]) -> Deadlines:
         return Deadlines.from_dict(values)
     except InvalidInput as err:
         raise InvalidInput(f"spec.reconfiguration: {err}") from None
+
+
+def _at_least_one(value: Any, field_name: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise InvalidInput(f"{field_name}={value!r} must be an integer >= 1")
 
 
 def _requests_gpus(template: dict[str, Any]) -> bool:

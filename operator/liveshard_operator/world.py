@@ -1,7 +1,8 @@
 """The operator's record of a job, as kept in its status (`status.reconfiguration`): the world in
 effect, the reconfiguration in flight, and what the next pass must remember (the epochs used, the
 aborts in a row and their backoff, a restore owed, members silent since when, the last checkpoint
-asked for), so that a restarted operator knows all of it.
+asked for, the worker pods that failed to start and when the next may be created), so that a
+restarted operator knows all of it.
 
 Values only: `Record.from_dict` reads what a pass finds in status, `Record.to_dict` is what the
 pass writes back (a merge patch: every field, None for what is no longer there).
@@ -117,6 +118,33 @@ class Suspension:
 
 
 @dataclass(frozen=True)
+class StartFailures:
+    """Worker pods that failed before they became members, in a row (`start_failures`): no pod
+    is created before `retry_after`. A pod scheduled after the last failure that becomes ready
+    ends the row; the failed pods not deleted yet are kept by name, so that each counts once."""
+
+    count: int = 0  # failed starts in a row
+    last: str = ""  # the last one: its pod and why it failed
+    at: float = 0.0  # when the last one was seen (seconds since the epoch)
+    retry_after: float = 0.0  # no worker pod is created before this time
+    pods: tuple[str, ...] = ()  # the failed pods not deleted yet, each counted once
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "count": self.count, "last": self.last, "at": self.at,
+            "retryAfter": self.retry_after, "pods": list(self.pods),
+        }  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StartFailures:
+        return cls(
+            count=int(data.get("count", 0)), last=str(data.get("last") or ""),
+            at=float(data.get("at", 0)), retry_after=float(data.get("retryAfter", 0)),
+            pods=tuple(str(p) for p in data.get("pods") or ()),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
 class Record:
     """What one pass leaves the next one (`status.reconfiguration`)."""
 
@@ -129,6 +157,7 @@ class Record:
     silent: Mapping[str, float] = field(default_factory=dict)  # member -> silent since
     checkpoint_asked: int = 0  # the number of the last checkpoint every member was asked for
     suspended: Suspension | None = None  # the job is (being) suspended, or resumes from this
+    start_failures: StartFailures = field(default_factory=StartFailures)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Record:
@@ -142,6 +171,7 @@ class Record:
             silent={m: float(t) for m, t in (data.get("silent") or {}).items()},
             checkpoint_asked=int(data.get("checkpointAsked", 0)),
             suspended=Suspension.from_dict(data["suspended"]) if data.get("suspended") else None,
+            start_failures=StartFailures.from_dict(data.get("startFailures") or {}),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -156,4 +186,7 @@ class Record:
             "silent": dict(self.silent) or None,
             "checkpointAsked": self.checkpoint_asked,
             "suspended": self.suspended.to_dict() if self.suspended else None,
+            "startFailures": (
+                self.start_failures.to_dict() if self.start_failures != StartFailures() else None
+            ),
         }

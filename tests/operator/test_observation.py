@@ -76,3 +76,49 @@ def test_what_the_scheduler_said(
 ) -> None:
     pod = pod_of(raw(status__conditions=conditions), set(), None)
     assert (pod.since, pod.unschedulable) == (since, unschedulable)
+
+
+def ended(exit_code: int, reason: str, message: str = "") -> dict[str, Any]:
+    return {"terminated": {"exitCode": exit_code, "reason": reason, "message": message}}
+
+
+def agent(state: dict[str, Any], last: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The agent container's status: its state, and its last run's."""
+    return [{"name": "agent", "state": state, "lastState": last or {}}]
+
+
+MISSING = "loading\nliveshard-agent: LIVESHARD_CONFIG: training: /x: no such file\n"
+
+
+@pytest.mark.parametrize(
+    ("status", "failure"),
+    [
+        ({"containerStatuses": agent({"running": {}})}, ""),
+        ({"phase": "Succeeded", "containerStatuses": agent(ended(0, "Completed"))}, ""),  # released
+        ({"phase": "Failed", "containerStatuses": agent(ended(137, "OOMKilled"))},
+         "container agent: OOMKilled, exit code 137"),
+        ({"phase": "Failed", "containerStatuses": agent(ended(2, "Error", MISSING))},
+         "container agent: Error, exit code 2: loading | liveshard-agent: LIVESHARD_CONFIG: "
+         "training: /x: no such file"),
+        ({"phase": "Failed", "initContainerStatuses": [{"name": "fetch", "state": ended(1, "")}]},
+         "container fetch: Error, exit code 1"),
+        ({"containerStatuses": agent({"waiting": {"reason": "CrashLoopBackOff"}},
+                                     ended(128, "StartError", "exec: no such file"))},
+         "container agent: crash-looping, last StartError, exit code 128: exec: no such file"),
+        # The kubelet retries the pull: nothing the worker did.
+        ({"containerStatuses": agent({"waiting": {"reason": "ImagePullBackOff"}})}, ""),
+        # Ended from outside: the pod's own reason.
+        ({"phase": "Failed", "reason": "Evicted", "containerStatuses": agent(ended(137, "Error"))},
+         ""),
+    ],
+)  # fmt: skip
+def test_how_a_container_failed(status: dict[str, Any], failure: str) -> None:
+    pod = pod_of(raw(**{f"status__{k}": v for k, v in status.items()}), set(), None)
+    assert pod.failure == failure
+
+
+def test_a_long_termination_message_keeps_its_last_lines() -> None:
+    message = "\n".join(f"line {i}" for i in range(100))
+    status = agent(ended(1, "Error", message))
+    pod = pod_of(raw(status__phase="Failed", status__containerStatuses=status), set(), None)
+    assert pod.failure == "container agent: Error, exit code 1: line 97 | line 98 | line 99"

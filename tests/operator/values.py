@@ -46,6 +46,11 @@ def starting() -> pb.AgentStatus:
     return pb.AgentStatus(phase=pb.AgentStatus.STARTING, ready=False, epoch=-1)
 
 
+def failed(message: str) -> pb.AgentStatus:
+    """An agent that cannot go on (it refused its job's configuration, its loop failed)."""
+    return pb.AgentStatus(phase=pb.AgentStatus.FAILED, ready=True, epoch=-1, message=message)
+
+
 def training(epoch: int, step: int = 10, **fields: Any) -> pb.AgentStatus:
     return pb.AgentStatus(phase=pb.AgentStatus.TRAINING, ready=True, epoch=epoch, step=step,
                           loss=2.5, **fields)  # fmt: skip
@@ -90,14 +95,16 @@ def pod(
     error: str = "",
     since: float = NOW - 1,
     unschedulable: str = "",
+    failure: str = "",
 ) -> Pod:
     """A pod; pods are created in name order unless `created` says otherwise, and scheduled a
-    second before the pass unless `since` or `unschedulable` says otherwise."""
+    second before the pass unless `since` or `unschedulable` says otherwise; `failure`: how a
+    container of it failed, as the kubelet says."""
     return Pod(
         name=name, ip=None if gone else f"10.0.0.{name[-1]}", role=role, leaving=leaving,
         gone=gone, created=created or f"2024-01-01T00:00:0{name[-1]}Z", agent=agent,
         error=error or ("" if agent is not None else f"agent {name}: UNAVAILABLE"),
-        since=since, unschedulable=unschedulable,
+        since=since, unschedulable=unschedulable, failure=failure,
     )  # fmt: skip
 
 

@@ -21,6 +21,8 @@ log = logging.getLogger(__name__)
 BACKOFF_START = 1.0
 BACKOFF_MAX = 20.0
 BACKOFF_RESET_AFTER = 10.0  # a run this long resets the crash-loop back-off
+# A termination message taken from the log is at most this long, as the kubelet's is.
+MESSAGE_LINES, MESSAGE_BYTES = 80, 2048
 
 
 def now_rfc3339() -> str:
@@ -109,11 +111,25 @@ class Container:
         }
         if code < 0:
             self.terminated["signal"] = -code
+        if exit_code != 0 and self.spec.get("terminationMessagePolicy") == "FallbackToLogsOnError":
+            self.terminated["message"] = self._log_tail()
         ran = time.monotonic() - self.started_mono
         self.backoff = BACKOFF_START if ran > BACKOFF_RESET_AFTER else self.backoff
         log.info("container %s pid %d exited with %d", self.name, self.proc.pid, exit_code)
         self.proc = None
         return True
+
+    def _log_tail(self) -> str:
+        """The end of this run's log, as the kubelet's FallbackToLogsOnError keeps it (the
+        container has no filesystem of its own for a terminationMessagePath here)."""
+        try:
+            with self.log_path.open("rb") as log_file:
+                log_file.seek(0, os.SEEK_END)
+                log_file.seek(max(log_file.tell() - MESSAGE_BYTES, 0))
+                tail = log_file.read()
+        except OSError:
+            return ""
+        return "\n".join(tail.decode(errors="replace").splitlines()[-MESSAGE_LINES:])
 
     def schedule_restart(self) -> None:
         """Counts a restart and waits out the crash-loop back-off before the next start."""
