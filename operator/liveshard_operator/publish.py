@@ -1,9 +1,10 @@
 """The job's status as one pass leaves it, computed in memory from what the pass saw and decided:
 the world in effect, how many members train, the phase and conditions, the last reconfiguration's
-summary, the record the next pass reads (`status.reconfiguration`), and the job's progress
-(`status.progress`: a bounded series of its step, loss and tokens per second, which `liveshard
-timeline --job` draws). The executor writes it as one merge patch: a key the patch leaves out
-(the history, the progress) keeps what the last write gave it.
+summary, the record the next pass reads (`status.reconfiguration`), the last checkpoint saved and
+the last that failed (`checkpoints`), and the job's progress (`status.progress`: a bounded series
+of its step, loss and tokens per second, which `liveshard timeline --job` draws). The executor
+writes it as one merge patch: a key the patch leaves out (the history, the progress) keeps what
+the last write gave it.
 
 Pure: the time is the pass's, given.
 """
@@ -17,7 +18,7 @@ from typing import Any
 from liveshard.v1 import agent_pb2 as pb
 from liveshard_core.job import Result
 
-from . import render
+from . import checkpoints, render
 from .conditions import Conditions, stamp
 from .observation import Job, Observation, trains_in
 from .world import InFlight, Record, World
@@ -65,10 +66,10 @@ class Failure:
 
 @dataclass(frozen=True)
 class Missing:
-    """Pods the job goes on without: none of them can be scheduled or become ready in time
-    (the Degraded condition's reason and message)."""
+    """Pods the job goes on without: none of them can be scheduled or become ready in time, or
+    they failed to start (the Degraded condition's reason and message)."""
 
-    reason: str  # the scheduler's (Unschedulable, ...), or PendingTimeout
+    reason: str  # the scheduler's (Unschedulable, ...), PendingTimeout, or WorkerCrashing
     message: str
 
 
@@ -144,15 +145,19 @@ def status(
     conds.set("Ready", phase == "Running", phase, message or f"{len(training)} members training")
     conds.set("Reconfiguring", plan is not None, "InFlight" if plan else "Idle",
               f"epoch {plan.epoch}: {plan.reason}" if plan else "")  # fmt: skip
+    failed = checkpoints.last_failed(job, seen, now)
     if report.last is not None and report.last.result is Result.ABORTED:
         conds.set("Degraded", True, "ReconfigurationAborted", report.last.message)
     elif report.missing is not None:
         conds.set("Degraded", True, report.missing.reason, report.missing.message)
+    elif failed is not None:
+        conds.set("Degraded", True, "CheckpointFailed", failed.describe())
     elif report.spares:
         conds.set("Degraded", True, "HotSpares", message)
     else:
         conds.set("Degraded", False, "AsPlanned", message)
     out.update(phase=phase, conditions=conds.items, reconfiguration=record.to_dict())
+    out.update(checkpoints.status(job, seen, now))
     return out
 
 

@@ -56,7 +56,15 @@ from ..data.builtin import PRESET
 from ..engine.vote import Failure, settle
 from ..engine.world import StoreAddress
 from ..runtime.change import Change
-from ..runtime.events import Broke, Checkpointed, Finished, Refused, Stepped, Switched
+from ..runtime.events import (
+    Broke,
+    Checkpointed,
+    CheckpointFailed,
+    Finished,
+    Refused,
+    Stepped,
+    Switched,
+)
 from ..runtime.loop import Prepare, Start, Stop
 from . import output
 from .faults import ScriptedKill, parse_kill
@@ -207,7 +215,7 @@ class Driver:
                     self.emit(output.step_line(message, self.job.settings.tokens_per_step))
                 if self.job.record_samples and record.samples:
                     self.emit(output.samples_line(message))
-            case Checkpointed():
+            case Checkpointed() | CheckpointFailed():
                 self.emit(output.checkpoint_line(message))
             case Broke():
                 self.broke.setdefault(name, time.monotonic())

@@ -16,7 +16,7 @@ from typing import Any
 
 from liveshard_core.job import Result
 
-from ..runtime.events import Broke, Checkpointed, Stepped, Switched
+from ..runtime.events import Broke, Checkpointed, CheckpointFailed, Stepped, Switched
 
 Line = dict[str, Any]
 
@@ -52,9 +52,14 @@ def switch_line(event: Switched) -> Line:
     return line
 
 
-def checkpoint_line(event: Checkpointed) -> Line:
-    return {"event": "checkpoint", "step": event.step, "path": event.path,
-            "seconds": event.seconds}  # fmt: skip
+def checkpoint_line(event: Checkpointed | CheckpointFailed) -> Line:
+    """A checkpoint saved (`"result": "saved"`, with its seconds) or not (`"failed"`, with the
+    reason every member gave): the job trains on either way."""
+    line: Line = {"event": "checkpoint", "number": event.number, "step": event.step,
+                  "path": event.path}  # fmt: skip
+    if isinstance(event, CheckpointFailed):
+        return {**line, "result": "failed", "reason": event.reason}
+    return {**line, "result": "saved", "seconds": event.seconds}
 
 
 def broken_line(event: Broke) -> Line:
@@ -98,6 +103,9 @@ def printer(as_json: bool) -> Callable[[Line], None]:
                   f"{line['result']}, pause {line['pause_seconds']:.3f} s, prepared in "
                   f"{line['prepare_seconds']:.2f} s, {line['network_bytes'] / 1e6:.1f} MB "
                   f"moved{'' if committed else ': ' + line['reason']}", flush=True)  # fmt: skip
+        elif line["event"] == "checkpoint" and line["result"] == "failed":
+            print(f"== checkpoint at step {line['step']} to {line['path']} failed: "
+                  f"{line['reason']}", flush=True)  # fmt: skip
         elif line["event"] == "checkpoint":
             print(f"== checkpoint at step {line['step']} to {line['path']} in "
                   f"{line['seconds']:.2f} s", flush=True)  # fmt: skip

@@ -21,7 +21,7 @@ from typing import cast
 import torch
 
 from ..data.builtin import job_model
-from ..runtime.events import Checkpointed, Event, Report, Stepped
+from ..runtime.events import Checkpointed, CheckpointFailed, Event, Report, Stepped
 from ..runtime.loop import Command, Prepare, run_member
 from ..runtime.member import Member
 from .faults import Faults, combine
@@ -77,16 +77,16 @@ def member_main(name: str, index: int, job: LocalJob, conn: Connection) -> None:
 
 def _reporter(job: LocalJob, conn: Connection) -> Report:
     """Sends the driver the events it uses: steps from the world's rank 0 (every member's with
-    `record_samples`), checkpoints as reported by rank 0, everything else."""
+    `record_samples`), checkpoints (saved or failed) as reported by rank 0, everything else."""
 
     def report(event: Event) -> None:
         match event:
             case Stepped(speaks=speaks, record=record):
                 if speaks or (job.record_samples and record.samples):
                     conn.send(event)
-            case Checkpointed(report=True):
+            case Checkpointed(report=True) | CheckpointFailed(report=True):
                 conn.send(event)
-            case Checkpointed():
+            case Checkpointed() | CheckpointFailed():
                 pass
             case _:
                 conn.send(event)

@@ -10,6 +10,15 @@ layout it was written in; a model from a Hugging Face directory has its config a
 copied into `hf/`, so that the checkpoint is self-contained (`liveshard-export` reads them).
 This is also the fallback when no live copy of a byte survives.
 
+A save is all or nothing, and the same on every member: the members write into `.NAME.partial`
+beside the target directory, and rank 0 renames it into place once every member wrote its part
+and `liveshard.json` is in it, so a directory named like a checkpoint is a whole one (a
+checkpoint saved again to the same path replaces the old one only then). Any member's failure
+(a full disk, no permission, a target that is a file) reaches every member through the gather
+that ends each phase (DCP's own, and ours around it), and each raises `CheckpointError` with the
+same reason; rank 0 removes the partial directory. A directory without `liveshard.json`, or with
+one that cannot be read, is not a checkpoint: `read_metadata` refuses it.
+
 DCP coordinates ranks through torch.distributed's default process group, which training never
 uses: a checkpoint creates one (gloo, over the current world's members, from the job's store under
 a prefix of its own) for its duration and destroys it afterwards.
@@ -26,6 +35,7 @@ import json
 import os
 import shutil
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -34,8 +44,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, Store
 from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 
-from liveshard_core.errors import InvalidInput
+from liveshard_core.errors import InvalidInput, RetryableError
 from liveshard_core.job import TrainingSettings
 from liveshard_core.layout.layout import Layout
 from liveshard_core.layout.region import partition
@@ -49,6 +61,12 @@ from .trainer import Scalars
 
 METADATA = "liveshard.json"
 HF_FILES = "hf"  # the model directory's config and tokenizer files
+DCP_METADATA = ".metadata"  # DCP's own index of the tensors, written by its coordinator
+
+
+class CheckpointError(RetryableError):
+    """A checkpoint that could not be saved or loaded; every member of the world raises it with
+    the same reason, and its state is as before. A later checkpoint may succeed."""
 
 
 def save_state_dict(state: ShardedState) -> dict[str, torch.Tensor]:
@@ -114,11 +132,27 @@ def save(
 ) -> None:
     """Every member of the world calls this at the same step boundary; `prefix` names this
     checkpoint in the job's store (each checkpoint of a job needs its own); `hf` is the model's
-    Hugging Face directory, whose config and tokenizer files it records."""
+    Hugging Face directory, whose config and tokenizer files it records. Raises `CheckpointError`
+    on every member alike when any could not save its part; `directory` is then as before."""
     layout = state.layout
+    target = Path(directory)
+    partial = target.with_name(f".{target.name}.partial")
+    first = state.rank == 0
+    tensors: dict[str, torch.Tensor] = {}
+
+    def prepare() -> None:
+        tensors.update(save_state_dict(state))
+        if first:
+            _prepare(target, partial)
+
     with _DefaultGroup(store, prefix, state.rank, layout.world_size, timeout):
-        state_dict_saver.save(save_state_dict(state), checkpoint_id=str(directory))
-        if state.rank == 0:
+        try:
+            _agreed("prepare", prepare)
+            try:
+                writer = FileSystemWriter(partial)
+                state_dict_saver.save(tensors, storage_writer=writer)
+            except CheckpointException as err:  # raised on every rank, with every rank's error
+                raise CheckpointError(f"write: {_reason(err)}") from None
             meta = {
                 "scalars": scalars.as_dict(),
                 "settings": settings.as_dict(),
@@ -127,10 +161,61 @@ def save(
                 "layout": layout.describe(),
                 "members": list(layout.members),
             }
-            (Path(directory) / METADATA).write_text(json.dumps(meta, indent=1))
-            if hf is not None:
-                _record_files(hf, Path(directory) / HF_FILES)
-        dist.barrier()  # nobody returns before the metadata is written
+            _agreed("finish", lambda: _finish(meta, hf, partial, target) if first else None)
+        except CheckpointError as err:
+            if first:
+                shutil.rmtree(partial, ignore_errors=True)
+            raise CheckpointError(f"checkpoint to {target} failed: {err}") from None
+
+
+def _agreed(phase: str, action: Callable[[], None]) -> None:
+    """Run this rank's part of `phase`, then learn every rank's outcome: all raise
+    `CheckpointError` if any failed, so no member goes on while another gave up."""
+    try:
+        action()
+        mine = None
+    except Exception as err:  # any: a rank that skipped the gather would leave the others in it
+        mine = f"{type(err).__name__}: {err}"
+    outcomes: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, mine)
+    failed = [f"rank {rank}: {why}" for rank, why in enumerate(outcomes) if why is not None]
+    if failed:
+        raise CheckpointError(f"{phase}: {'; '.join(failed)}")
+
+
+def _prepare(target: Path, partial: Path) -> None:
+    """Rank 0, before anyone writes: a target that is not a directory cannot be replaced, and a
+    partial directory left by an earlier failure goes."""
+    if target.exists() and not target.is_dir():
+        raise NotADirectoryError(f"{target} exists and is not a directory")
+    if partial.exists():
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+
+
+def _finish(meta: dict[str, Any], hf: HfModel | None, partial: Path, target: Path) -> None:
+    """Rank 0, once every member wrote: the metadata, then the directory into place."""
+    (partial / METADATA).write_text(json.dumps(meta, indent=1))
+    if hf is not None:
+        _record_files(hf, partial / HF_FILES)
+    if not target.exists():
+        partial.rename(target)
+        return
+    replaced = target.with_name(f".{target.name}.replaced")
+    shutil.rmtree(replaced, ignore_errors=True)
+    target.rename(replaced)
+    try:
+        partial.rename(target)
+    except OSError:
+        replaced.rename(target)  # the older checkpoint stays whole where it was
+        raise
+    shutil.rmtree(replaced, ignore_errors=True)
+
+
+def _reason(err: CheckpointException) -> str:
+    """DCP's gathered failures, one line per rank (its traceback stays out)."""
+    failures = sorted(err.failures.items())
+    return "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}" for rank, (exc, _) in failures)
 
 
 def _record_files(hf: HfModel, into: Path) -> None:
@@ -142,16 +227,37 @@ def _record_files(hf: HfModel, into: Path) -> None:
 
 
 def read_metadata(directory: str | os.PathLike[str], spec: ModelSpec) -> dict[str, Any]:
+    """A checkpoint's `liveshard.json`, once it is known to be a whole checkpoint of `spec`'s
+    model; `InvalidInput` naming the directory and what is wrong otherwise."""
     path = Path(directory) / METADATA
+    if not Path(directory).is_dir():
+        raise InvalidInput(f"no liveshard checkpoint at {directory}: not a directory")
     try:
         meta: dict[str, Any] = json.loads(path.read_text())
+        digest, model = meta["model_digest"], meta["model"]
+        if digest != spec.digest:
+            raise InvalidInput(
+                f"checkpoint {directory} holds model {model.get('name')!r} (digest {digest}), "
+                f"not {spec.config.name!r} (digest {spec.digest})"
+            )
+        Scalars.from_dict(meta["scalars"])
     except OSError as err:
-        raise InvalidInput(f"no liveshard checkpoint at {directory}: {err.strerror}") from None
-    if meta["model_digest"] != spec.digest:
         raise InvalidInput(
-            f"checkpoint {directory} holds model {meta['model'].get('name')!r} "
-            f"(digest {meta['model_digest']}), not {spec.config.name!r} (digest {spec.digest})"
-        )
+            f"no liveshard checkpoint at {directory}: {METADATA}: {err.strerror}"
+        ) from None
+    except InvalidInput:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise InvalidInput(
+            f"checkpoint {directory}: {METADATA} cannot be read: {type(err).__name__}: {err}"
+        ) from None
+    try:
+        FileSystemReader(str(directory)).read_metadata()
+    except Exception as err:  # a missing file, a truncated or foreign pickle: all say the same
+        raise InvalidInput(
+            f"checkpoint {directory}: its tensors' index ({DCP_METADATA}) cannot be read: "
+            f"{type(err).__name__}: {err}"
+        ) from None
     return meta
 
 
@@ -166,9 +272,14 @@ def load(
     prefix: str,
     timeout: float = 300.0,
 ) -> tuple[ShardedState, Scalars]:
-    """The rank's state under `layout` (any layout) and the scalars, from a checkpoint."""
+    """The rank's state under `layout` (any layout) and the scalars, from a checkpoint; raises
+    `CheckpointError` on every member alike when any could not read its part."""
     meta = read_metadata(directory, spec)
     state = ShardedState.allocate(spec, layout, rank, device)
     with _DefaultGroup(store, prefix, rank, layout.world_size, timeout):
-        state_dict_loader.load(load_state_dict(state), checkpoint_id=str(directory))
+        try:
+            reader = FileSystemReader(str(directory))
+            state_dict_loader.load(load_state_dict(state), storage_reader=reader)
+        except CheckpointException as err:  # raised on every rank, with every rank's error
+            raise CheckpointError(f"restore from {directory} failed: {_reason(err)}") from None
     return state, Scalars.from_dict(meta["scalars"])

@@ -1,11 +1,12 @@
 """What a member's loop reports (`loop.run_member`'s `report`): one typed value per event.
 
 `Stepped` after every step the member trains, `Switched` for each change it settled (committed or
-aborted, its own account), `Checkpointed` for each checkpoint saved, `Broke` when its world
-broke, `Finished` once when the job has trained its last step, and `Refused` for a command it
-would not obey. The consumers (the agent's server, the local launcher) branch on these types and
-turn them into their own output at their own boundary; this module holds values only, it must
-not know how anyone prints them. They pickle: the local launcher sends them between processes.
+aborted, its own account), `Checkpointed` for each checkpoint saved, `CheckpointFailed` for each
+one that could not be (the member trains on), `Broke` when its world broke, `Finished` once when
+the job has trained its last step, and `Refused` for a command it would not obey. The consumers
+(the agent's server, the local launcher) branch on these types and turn them into their own
+output at their own boundary; this module holds values only, it must not know how anyone prints
+them. They pickle: the local launcher sends them between processes.
 """
 
 from __future__ import annotations
@@ -72,6 +73,19 @@ class Checkpointed:
 
 
 @dataclass(frozen=True)
+class CheckpointFailed:
+    """Checkpoint `number` at `step` to `path` could not be saved, for `reason` (the same on
+    every member of the world); nothing was put at `path` and the member trains on. `report` as
+    for `Switched`."""
+
+    number: int
+    step: int
+    path: str
+    reason: str
+    report: bool
+
+
+@dataclass(frozen=True)
 class Broke:
     """The member's world `epoch` broke under it; it keeps its state and waits for a recovery."""
 
@@ -96,5 +110,5 @@ class Refused:
     message: str
 
 
-Event = Stepped | Switched | Checkpointed | Broke | Finished | Refused
+Event = Stepped | Switched | Checkpointed | CheckpointFailed | Broke | Finished | Refused
 Report = Callable[[Event], None]

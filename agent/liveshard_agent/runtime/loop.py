@@ -7,7 +7,9 @@ state kept, for a recovery (see `Member.break_world`).
 The same loop runs under the local launcher (commands from the driver over a pipe) and in the
 agent's server (commands from gRPC calls): both feed an `Inbox` and take the `report`ed events
 (`events`: typed values, never strings to parse). A command that is refused (bad input, out of
-order) is reported as `Refused`, naming it, and the member goes on as before.
+order) is reported as `Refused`, naming it, and the member goes on as before. A checkpoint that
+cannot be saved is reported as `CheckpointFailed` by every member of the world alike, and they
+train on: a checkpoint is never a reason to stop.
 """
 
 from __future__ import annotations
@@ -106,8 +108,9 @@ def run_member(
     before_step: Callable[[Member], None] | None = None,
 ) -> None:
     """Run `member` until a `Stop` command. Reports `Stepped` after every step it trains,
-    `Switched` and `Checkpointed` as they happen, `Broke` when its world breaks, `Finished` once
-    when the job has trained its last step, and `Refused` for a refused command. `before_step`
+    `Switched` and `Checkpointed` (or `CheckpointFailed`) as they happen, `Broke` when its world
+    breaks, `Finished` once when the job has trained its last step, and `Refused` for a refused
+    command. `before_step`
     runs before each step (a periodic checkpoint requested there is agreed in that very step)."""
     stores = _Stores(member.deadlines.op)
     finished = False

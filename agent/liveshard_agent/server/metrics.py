@@ -15,7 +15,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from liveshard_core.job import Result, TrainingSettings
 
-from ..runtime.events import Broke, Checkpointed, Event, Finished, Refused, Stepped, Switched
+from ..runtime.events import (
+    Broke,
+    Checkpointed,
+    CheckpointFailed,
+    Event,
+    Finished,
+    Refused,
+    Stepped,
+    Switched,
+)
 from .status import Phase
 
 _LABELS = ("job", "member")
@@ -76,6 +85,9 @@ class Metrics:
         self.checkpoint_seconds = histogram(
             "liveshard_checkpoint_seconds", "Seconds each checkpoint took to save.", _LONG_BUCKETS
         )
+        self.checkpoint_failures = counter(
+            "liveshard_checkpoint_failures_total", "Checkpoints that could not be saved."
+        )
         self.breaks = counter("liveshard_world_breaks_total", "Worlds that broke under it.")
         self.refusals = counter("liveshard_refusals_total", "Commands this member refused.")
         reconfigurations = Counter(
@@ -111,6 +123,8 @@ class Metrics:
             case Checkpointed():
                 self.checkpoints.inc()
                 self.checkpoint_seconds.observe(event.seconds)
+            case CheckpointFailed():
+                self.checkpoint_failures.inc()
             case Broke():
                 self.breaks.inc()
             case Refused():

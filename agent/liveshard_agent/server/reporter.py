@@ -2,9 +2,9 @@
 
 `Reporter` is the loop's `report` callable and the inbox's `on_boundary`; both run on the loop's
 thread, the only thread that may read the member. It keeps the status board's `Observed` part and
-its events (last switch, last checkpoint, the last refusal) current, settles the tickets of the
-commands the loop has obeyed, logs what happened and, given `Metrics`, feeds them every event and
-the phase. It must not drive the member.
+its events (last switch, last checkpoint saved and failed, the last refusal) current, settles the
+tickets of the commands the loop has obeyed, logs what happened and, given `Metrics`, feeds them
+every event and the phase. It must not drive the member.
 """
 
 from __future__ import annotations
@@ -18,7 +18,16 @@ from liveshard_core.job import Cause
 from liveshard_core.layout.layout import Layout
 
 from ..engine.record import ContextLogger, context_logger
-from ..runtime.events import Broke, Checkpointed, Event, Finished, Refused, Stepped, Switched
+from ..runtime.events import (
+    Broke,
+    Checkpointed,
+    CheckpointFailed,
+    Event,
+    Finished,
+    Refused,
+    Stepped,
+    Switched,
+)
 from ..runtime.member import Member, MemberState
 from .inbox import Ticket
 from .metrics import Metrics
@@ -106,8 +115,15 @@ class Reporter:
                     event.number, event.step, event.path, event.seconds, exported,
                     event.export_error,
                 )  # fmt: skip
+                update["failed_checkpoint"] = None
                 self.log.info("checkpoint %s saved at step %s to %s", event.number, event.step,
                               event.path)  # fmt: skip
+            case CheckpointFailed():
+                update["failed_checkpoint"] = CheckpointSummary(
+                    event.number, event.step, event.path, 0.0, error=event.reason
+                )
+                self.log.warning("checkpoint %s at step %s to %s failed: %s", event.number,
+                                 event.step, event.path, event.reason)  # fmt: skip
             case Broke(breakage=breakage):
                 update["message"] = f"the world broke at step {breakage.step}: {breakage.reason}"
                 self.log.warning("%s; waiting for a recovery", update["message"])

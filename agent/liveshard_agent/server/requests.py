@@ -175,14 +175,10 @@ def _first_world(
     if restore is not None:
         if not os.path.isabs(restore):
             raise InvalidInput(f"restore_from={restore!r} must be an absolute path")
-        try:
+        try:  # a directory that is no whole checkpoint of this model is refused here, by name
             checkpoint.read_metadata(restore, job.spec)
         except InvalidInput as err:
             raise InvalidInput(f"restore_from: {err}") from None
-        except (OSError, ValueError, KeyError) as err:
-            raise InvalidInput(
-                f"restore_from: {restore} holds no readable checkpoint: {err}"
-            ) from None
     return PrepareOrder(number, Start(new, store, number, restore), None, new, limits, 0)
 
 

@@ -4,7 +4,8 @@ WatchStatus follows.
 A snapshot joins three sources: what the member's loop last showed (`Observed`, refreshed on the
 loop's thread between commands and steps), the commands the service accepted and the loop has not
 finished yet (`Claim`s, so a status read right after a Prepare shows it pending), and the events
-the loop reported (last switch, last checkpoint, the last refusal). The phase and the pending
+the loop reported (last switch, last checkpoint saved and the last that failed, the last
+refusal). The phase and the pending
 reconfiguration are computed from them, never stored twice. This module must not drive the member.
 """
 
@@ -103,6 +104,7 @@ class CheckpointSummary:
     seconds: float
     exported_to: str = ""
     export_error: str = ""
+    error: str = ""  # non-empty: it could not be saved, for this reason
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,8 @@ class Snapshot:
     observed: Observed = field(default_factory=Observed)
     claims: tuple[Claim, ...] = ()
     last_switch: SwitchSummary | None = None
-    last_checkpoint: CheckpointSummary | None = None
+    last_checkpoint: CheckpointSummary | None = None  # the last saved
+    failed_checkpoint: CheckpointSummary | None = None  # the last asked for, when it failed
     message: str = ""  # the last refused command or failure, for people
 
     def claimed(self, *kinds: ClaimKind) -> list[Claim]:
@@ -187,6 +190,9 @@ class Snapshot:
             )  # fmt: skip
         if self.last_checkpoint is not None:
             status.last_checkpoint.CopyFrom(pb.CheckpointSummary(**asdict(self.last_checkpoint)))
+        if self.failed_checkpoint is not None:
+            failed = pb.CheckpointSummary(**asdict(self.failed_checkpoint))
+            status.failed_checkpoint.CopyFrom(failed)
         return status
 
 

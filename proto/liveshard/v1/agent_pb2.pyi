@@ -137,7 +137,7 @@ class ReleaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AgentStatus(_message.Message):
-    __slots__ = ("member", "phase", "ready", "epoch", "step", "layout", "loss", "pending", "last_switch", "last_checkpoint", "message", "terminating", "steps", "samples")
+    __slots__ = ("member", "phase", "ready", "epoch", "step", "layout", "loss", "pending", "last_switch", "last_checkpoint", "message", "terminating", "steps", "samples", "failed_checkpoint")
     class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         PHASE_UNSPECIFIED: _ClassVar[AgentStatus.Phase]
@@ -170,6 +170,7 @@ class AgentStatus(_message.Message):
     TERMINATING_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    FAILED_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     member: str
     phase: AgentStatus.Phase
     ready: bool
@@ -184,7 +185,8 @@ class AgentStatus(_message.Message):
     terminating: bool
     steps: int
     samples: int
-    def __init__(self, member: _Optional[str] = ..., phase: _Optional[_Union[AgentStatus.Phase, str]] = ..., ready: _Optional[bool] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., loss: _Optional[float] = ..., pending: _Optional[_Union[Pending, _Mapping]] = ..., last_switch: _Optional[_Union[SwitchSummary, _Mapping]] = ..., last_checkpoint: _Optional[_Union[CheckpointSummary, _Mapping]] = ..., message: _Optional[str] = ..., terminating: _Optional[bool] = ..., steps: _Optional[int] = ..., samples: _Optional[int] = ...) -> None: ...
+    failed_checkpoint: CheckpointSummary
+    def __init__(self, member: _Optional[str] = ..., phase: _Optional[_Union[AgentStatus.Phase, str]] = ..., ready: _Optional[bool] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., loss: _Optional[float] = ..., pending: _Optional[_Union[Pending, _Mapping]] = ..., last_switch: _Optional[_Union[SwitchSummary, _Mapping]] = ..., last_checkpoint: _Optional[_Union[CheckpointSummary, _Mapping]] = ..., message: _Optional[str] = ..., terminating: _Optional[bool] = ..., steps: _Optional[int] = ..., samples: _Optional[int] = ..., failed_checkpoint: _Optional[_Union[CheckpointSummary, _Mapping]] = ...) -> None: ...
 
 class Pending(_message.Message):
     __slots__ = ("epoch", "state", "at_step", "reason")
@@ -260,17 +262,19 @@ class SwitchSummary(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., step: _Optional[int] = ..., result: _Optional[_Union[SwitchSummary.Result, str]] = ..., cause: _Optional[_Union[SwitchSummary.Cause, str]] = ..., reason: _Optional[str] = ..., to: _Optional[str] = ..., pause_seconds: _Optional[float] = ..., prepare_seconds: _Optional[float] = ..., network_bytes: _Optional[int] = ..., **kwargs) -> None: ...
 
 class CheckpointSummary(_message.Message):
-    __slots__ = ("number", "step", "path", "seconds", "exported_to", "export_error")
+    __slots__ = ("number", "step", "path", "seconds", "exported_to", "export_error", "error")
     NUMBER_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     EXPORTED_TO_FIELD_NUMBER: _ClassVar[int]
     EXPORT_ERROR_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     number: int
     step: int
     path: str
     seconds: float
     exported_to: str
     export_error: str
-    def __init__(self, number: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., seconds: _Optional[float] = ..., exported_to: _Optional[str] = ..., export_error: _Optional[str] = ...) -> None: ...
+    error: str
+    def __init__(self, number: _Optional[int] = ..., step: _Optional[int] = ..., path: _Optional[str] = ..., seconds: _Optional[float] = ..., exported_to: _Optional[str] = ..., export_error: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...

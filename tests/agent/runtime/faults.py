@@ -1,4 +1,5 @@
-"""Switch hooks the training tests install in member processes (`LocalJob.hooks`).
+"""Switch hooks the training tests install in member processes (`LocalJob.hooks`), and faults
+they inject there through the same factory (a checkpoint write that fails).
 
 A job goes to every member's process when it is spawned, so its hooks factory must pickle: a
 function of this module, or a `functools.partial` of one.
@@ -6,7 +7,9 @@ function of this module, or a `functools.partial` of one.
 
 from __future__ import annotations
 
+import errno
 import time
+from typing import Any
 
 from liveshard_agent.engine.switch import SwitchHooks
 
@@ -34,3 +37,23 @@ def loses_the_vote(loser: str, late: float, member: str) -> SwitchHooks:
     if member == loser:
         return SwitchHooks(before_decision=fail)
     return SwitchHooks(before_decision=lambda: time.sleep(max(-late, 0)))
+
+
+def cannot_write_once(failing: str, member: str) -> SwitchHooks:
+    """Member `failing` cannot write its part of the first checkpoint (its disk is full, as DCP's
+    writer sees it); the others write theirs, and every later checkpoint writes as usual (install
+    it as `functools.partial(cannot_write_once, "w1")`)."""
+    if member == failing:
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+        write = FileSystemWriter.write_data
+        calls = []
+
+        def full(self: FileSystemWriter, *args: Any, **kwargs: Any) -> Any:
+            calls.append(1)
+            if len(calls) == 1:
+                raise OSError(errno.ENOSPC, f"No space left on device ({failing}, injected)")
+            return write(self, *args, **kwargs)
+
+        FileSystemWriter.write_data = full  # type: ignore[method-assign]
+    return SwitchHooks()

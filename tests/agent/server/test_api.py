@@ -236,3 +236,27 @@ def test_a_prepare_is_checked_against_the_model_from_the_configuration(
     err = agent.refused("Prepare", first_world(restore_from=str(directory)))
     assert err.code() == Code.INVALID_ARGUMENT and "holds model 'x'" in (err.details() or "")
     standing_by(agent)
+
+
+def test_a_restore_from_what_is_no_whole_checkpoint_is_refused_naming_it(
+    tmp_path: Path, agent: Agent
+) -> None:
+    """The shared agent process (1): a directory without liveshard.json (a save that never
+    finished), one whose liveshard.json cannot be read, and a regular file are refused at the
+    request, each named with what is wrong; the agent stands by as before."""
+    partial, garbled, afile = tmp_path / "partial", tmp_path / "garbled", tmp_path / "afile"
+    partial.mkdir()
+    (partial / ".metadata").write_bytes(b"")
+    garbled.mkdir()
+    (garbled / "liveshard.json").write_text('{"model_digest": ')
+    afile.write_text("")
+    cases = [
+        (partial, "restore_from: no liveshard checkpoint at {}: liveshard.json: No such file"),
+        (garbled, "restore_from: checkpoint {}: liveshard.json cannot be read: JSONDecodeError"),
+        (afile, "restore_from: no liveshard checkpoint at {}: not a directory"),
+    ]
+    for path, words in cases:
+        err = agent.refused("Prepare", first_world(restore_from=str(path)))
+        assert err.code() == Code.INVALID_ARGUMENT, err
+        assert words.format(path) in (err.details() or ""), err
+    standing_by(agent)

@@ -19,6 +19,7 @@ from liveshard.v1 import agent_pb2 as pb
 from liveshard_agent.runtime.events import (
     Broke,
     Checkpointed,
+    CheckpointFailed,
     Finished,
     Refused,
     Stepped,
@@ -101,11 +102,13 @@ def test_checkpoints_breaks_and_refusals_are_counted(metrics: Metrics) -> None:
     """No process."""
     metrics.report(Checkpointed(number=1, step=4, path="/ckpt/1", seconds=2.0, report=True))
     metrics.report(Checkpointed(number=2, step=8, path="/ckpt/2", seconds=3.0, report=False))
+    metrics.report(CheckpointFailed(3, 12, "/ckpt/3", "prepare: rank 0: disk full", report=True))
     metrics.report(Broke(MEMBER, 0, Breakage(step=9, whole=True, reason="a peer died")))
     metrics.report(Refused("Prepare", "epoch 1 is pending"))
     metrics.report(Finished(MEMBER, 10))
     assert value(metrics, "liveshard_checkpoints_total") == 2
     assert value(metrics, "liveshard_checkpoint_seconds_sum") == 5.0
+    assert value(metrics, "liveshard_checkpoint_failures_total") == 1
     assert value(metrics, "liveshard_world_breaks_total") == 1
     assert value(metrics, "liveshard_refusals_total") == 1
     assert value(metrics, "liveshard_step") == 0  # no event but `Stepped` moves the step
