@@ -90,8 +90,12 @@ class Executor:
         assert secret is not None  # ensure_objects created it
         return base64.b64decode(secret["data"][render.TOKEN_KEY]).decode()
 
+    # The job's resourceVersion as the pass read it (the controller sets it): the status is
+    # written over that version only, and a job changed since ends the pass (`kube.Stale`).
+    observed: str | None = None
+
     def write(self, status: dict[str, Any]) -> None:
-        self.kube.patch_job_status(self.namespace, self.name, status)
+        self.kube.patch_job_status(self.namespace, self.name, status, self.observed)
 
     def run(self, decision: Decision) -> None:
         """Carry out `decision` (see the module's docstring for the order)."""

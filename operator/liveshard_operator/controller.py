@@ -6,10 +6,15 @@ Everything the next pass needs is in the job's status (`world.Record`), so a res
 resumes where the last one stopped; handlers only wake this loop. Each pass is timed and what it
 found recorded in the operator's metrics (`metrics.Metrics`), which the job leaves when it is
 gone or its controller is closed.
+
+The status is written only over the version of the job the pass read: when the job changed
+meanwhile (its spec scaled, another replica's write), the pass ends there and the next one reads
+it again.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -20,12 +25,18 @@ from .act import Events, Executor
 from .agents import AgentClient
 from .conditions import Conditions
 from .decide import decide
-from .kube import Kube
+from .kube import Kube, Stale
 from .metrics import Metrics
 from .observation import Job
 from .observe import observe
 from .spec import JobSpec
 from .world import Record
+
+log = logging.getLogger(__name__)
+
+# Earlier operators ran each job's loop as a kopf daemon, and kopf put this finalizer on every job
+# a daemon served; a pass takes it off, so that a job stays deletable once the operator is gone.
+LEGACY_FINALIZER = "liveshard.io/finalizer"
 
 
 class JobController:
@@ -58,6 +69,17 @@ class JobController:
         body = self.kube.get_job(self.namespace, self.name)
         if body is None:
             return False
+        self.executor.observed = body["metadata"].get("resourceVersion")
+        try:
+            return self._pass(body)
+        except Stale:
+            log.info("job %s: changed during the pass; the next pass reads it again", self.job)
+            return True
+
+    def _pass(self, body: dict[str, Any]) -> bool:
+        if LEGACY_FINALIZER in (body["metadata"].get("finalizers") or ()):
+            self.kube.remove_job_finalizer(body, LEGACY_FINALIZER)
+            return True  # the job changed: the next pass reads it again
         status = body.get("status") or {}
         if Conditions(status.get("conditions") or [], 0).terminal():
             self.metrics.unobserved(self.job, str(status.get("phase") or "Unknown"))

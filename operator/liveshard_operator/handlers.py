@@ -1,11 +1,20 @@
-"""kopf's handlers: a daemon per ElasticTrainingJob runs its controller; events on the job's
+"""kopf's handlers: a thread per ElasticTrainingJob runs its controller; events on the job and its
 pods only wake it (level-based: the controller looks at everything again on every pass). Every
 controller records into the operator's one `METRICS`, which `main` serves.
+
+The loops are threads of this module's own, started and stopped by the jobs' watch events, not
+kopf daemons: kopf puts a finalizer on every object a daemon serves, and a job must stay deletable
+when the operator is gone (its pods, Secret and PodDisruptionBudget go by owner reference). With
+leader election (`ELECTOR`), every replica watches and keeps its loops, but only the leader's
+passes run.
 """
 
 from __future__ import annotations
 
+import contextvars
+import logging
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,20 +22,30 @@ import kopf
 
 from .controller import JobController
 from .kube import Kube
+from .leader import Elector
 from .metrics import Metrics
 from .render import GROUP, JOB_LABEL, PLURAL, VERSION
 
+log = logging.getLogger(__name__)
+
 PERIOD = 2.0  # seconds between passes when nothing wakes the controller
-_wakers: dict[tuple[str, str], threading.Event] = {}
-_kube: Kube | None = None
+STOP_TIMEOUT = 10.0  # seconds the loops get to end their passes when the operator stops
 METRICS = Metrics()
+ELECTOR: Elector | None = None  # set by `main` with --leader-elect; None: this replica leads
+_kube: Kube | None = None
+_loops: dict[tuple[str, str], JobLoop] = {}
+_lock = threading.Lock()
 
 
-def _api() -> Kube:
+def api() -> Kube:
     global _kube
     if _kube is None:
         _kube = Kube.from_environment()
     return _kube
+
+
+def leading() -> bool:
+    return ELECTOR is None or ELECTOR.leading()
 
 
 def _post_event(job: dict[str, Any], kind: str, reason: str, message: str) -> None:
@@ -34,37 +53,92 @@ def _post_event(job: dict[str, Any], kind: str, reason: str, message: str) -> No
     kopf.event(job, type=kind, reason=reason, message=message)  # type: ignore[arg-type]
 
 
-@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0)
-def run_job(
-    *, name: str, namespace: str | None, stopped: kopf.DaemonStopped, logger: kopf.Logger, **_: Any
-) -> None:
-    """The job's control loop, until the job is deleted or the operator stops."""
+class JobLoop:
+    """The control loop of one job (by uid), in its own thread, until the job is gone or `stop`.
+    The thread runs in the context of the kopf handler that started it, so that `kopf.event`
+    works from it."""
+
+    def __init__(self, namespace: str, name: str, uid: str) -> None:
+        self.namespace, self.name, self.uid = namespace, name, uid
+        self.wake, self.stopped = threading.Event(), threading.Event()
+        context = contextvars.copy_context()
+        self.thread = threading.Thread(
+            target=context.run, args=(self._run,), name=f"job {namespace}/{name}", daemon=True
+        )
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.wake.set()
+
+    def _run(self) -> None:
+        controller = JobController(api(), self.namespace, self.name, _post_event, METRICS)
+        try:
+            while not self.stopped.is_set():
+                self.wake.clear()
+                if leading():
+                    try:
+                        if not controller.reconcile():
+                            return
+                    except Exception as err:  # a failed pass is logged and retried, never fatal
+                        log.exception("reconcile of %s/%s failed: %s", self.namespace, self.name,
+                                      err)  # fmt: skip
+                self.wake.wait(PERIOD)
+        finally:
+            controller.close()
+            with _lock:
+                if _loops.get((self.namespace, self.name)) is self:
+                    del _loops[(self.namespace, self.name)]
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+def job_changed(*, type: str | None, name: str, namespace: str | None, uid: str, **_: Any) -> None:
+    """Start the job's loop when the watch first lists or sees it, wake it on any change (its
+    spec scaled, say), stop it when the job is deleted or replaced by one of the same name."""
     assert namespace is not None  # the resource is namespaced
-    wake = _wakers.setdefault((namespace, name), threading.Event())
-    controller = JobController(_api(), namespace, name, _post_event, METRICS)
-    try:
-        while not stopped:
-            wake.clear()
-            try:
-                if not controller.reconcile():
-                    return
-            except Exception as err:  # a failed pass is logged and retried, never fatal
-                logger.exception("reconcile of %s failed: %s", name, err)
-            wake.wait(PERIOD)
-    finally:
-        controller.close()
-        _wakers.pop((namespace, name), None)
+    key = (namespace, name)
+    with _lock:
+        loop = _loops.get(key)
+        if loop is not None and (type == "DELETED" or loop.uid != uid):
+            loop.stop()
+            del _loops[key]
+            loop = None
+        if type == "DELETED":
+            return
+        if loop is None:
+            loop = _loops[key] = JobLoop(namespace, name, uid)
+            loop.thread.start()
+    loop.wake.set()
 
 
 @kopf.on.event("pods", labels={JOB_LABEL: kopf.PRESENT})
 def pod_changed(*, labels: Mapping[str, str], namespace: str | None, **_: Any) -> None:
-    wake = _wakers.get((namespace or "", labels[JOB_LABEL]))
-    if wake is not None:
-        wake.set()
+    loop = loop_of(namespace or "", labels[JOB_LABEL])
+    if loop is not None:
+        loop.wake.set()
 
 
-@kopf.on.field(GROUP, VERSION, PLURAL, field="spec.replicas")
-def replicas_changed(*, name: str, namespace: str | None, **_: Any) -> None:
-    wake = _wakers.get((namespace or "", name))
-    if wake is not None:
-        wake.set()
+def loop_of(namespace: str, name: str) -> JobLoop | None:
+    """The job's running loop, if any."""
+    return _loops.get((namespace, name))
+
+
+def wake_all(leads: bool = True) -> None:
+    """Wake every loop (the Elector's callback: a new leader starts its passes at once)."""
+    if leads:
+        with _lock:
+            for loop in _loops.values():
+                loop.wake.set()
+
+
+@kopf.on.cleanup()
+def stop_all(**_: Any) -> None:
+    """On shutdown: end every loop's pass, then give the Lease up for a standby to take."""
+    with _lock:
+        loops = list(_loops.values())
+    for loop in loops:
+        loop.stop()
+    deadline = time.monotonic() + STOP_TIMEOUT
+    for loop in loops:
+        loop.thread.join(max(0.0, deadline - time.monotonic()))
+    if ELECTOR is not None:
+        ELECTOR.stop()

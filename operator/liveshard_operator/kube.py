@@ -35,6 +35,10 @@ class ApiError(RuntimeError):
         super().__init__(f"{method} {path}: HTTP {status}: {body[:500]}")
 
 
+class Stale(ApiError):
+    """A 409 on a write conditional on a resourceVersion: the object changed since it was read."""
+
+
 class JsonApi:
     """JSON requests against one API server with one identity; safe to share between threads.
     The local cluster's harness (`liveshard_e2e.rest`) makes its requests with this class too."""
@@ -128,9 +132,42 @@ class Kube(JsonApi):
                 return None
             raise
 
-    def patch_job_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
-        path = self.job_path(namespace, name) + "/status"
-        self.request("PATCH", path, {"status": status}, content_type=MERGE)
+    def patch_job_status(
+        self,
+        namespace: str,
+        name: str,
+        status: dict[str, Any],
+        resource_version: str | None = None,
+    ) -> None:
+        """Merge `status` into the job's; with `resource_version`, only over that version of the
+        job (the API server answers 409, raised as `Stale`, when the job changed since)."""
+        self._patch_job(namespace, name, "/status", {"status": status}, resource_version)
+
+    def remove_job_finalizer(self, job: dict[str, Any], finalizer: str) -> None:
+        """Take `finalizer` off the job, over the version of it read (`Stale` when it changed)."""
+        meta = job["metadata"]
+        kept = [f for f in meta.get("finalizers") or [] if f != finalizer]
+        body = {"metadata": {"finalizers": kept or None}}
+        self._patch_job(meta["namespace"], meta["name"], "", body, meta.get("resourceVersion"))
+
+    def _patch_job(
+        self,
+        namespace: str,
+        name: str,
+        subresource: str,
+        body: dict[str, Any],
+        resource_version: str | None,
+    ) -> None:
+        if resource_version is not None:
+            body = {**body, "metadata": {**body.get("metadata", {}),
+                                         "resourceVersion": resource_version}}  # fmt: skip
+        path = self.job_path(namespace, name) + subresource
+        try:
+            self.request("PATCH", path, body, content_type=MERGE)
+        except ApiError as err:
+            if err.status == 409 and resource_version is not None:
+                raise Stale("PATCH", path, err.status, err.body) from None
+            raise
 
     def pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
         answer = self.request(

@@ -1,31 +1,63 @@
-"""`liveshard-operator`: run the operator (kopf) over some namespaces or the whole cluster, and
-serve its Prometheus metrics."""
+"""`liveshard-operator`: run the operator (kopf) over some namespaces or the whole cluster, serve
+its Prometheus metrics, and, with `--leader-elect`, reconcile only while it holds the Lease."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import socket
+import uuid
+from pathlib import Path
 
 import kopf
 
 from liveshard_core import logs
 
 from . import handlers
+from .leader import Election, Elector
 from .metrics import DEFAULT_PORT
 
 log = logging.getLogger(__name__)
+
+SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
 @kopf.on.startup()
 def _configure(settings: kopf.OperatorSettings, **_: object) -> None:
     settings.posting.level = logging.INFO
-    settings.persistence.finalizer = "liveshard.io/finalizer"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="liveshard.io")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="liveshard.io")
     settings.watching.server_timeout = 120
 
 
 def main(argv: list[str] | None = None) -> int:
+    flags = parser()
+    args = flags.parse_args(argv)
+    logs.configure(logging.DEBUG if args.verbose else logging.INFO, args.log_format)
+    assert handlers.job_changed  # the handlers register on import
+    if args.leader_elect:
+        try:
+            election = election_of(args)
+        except ValueError as err:
+            flags.error(str(err))
+        handlers.ELECTOR = Elector(handlers.api(), election, changed=handlers.wake_all)
+        log.info("leader election on lease %s/%s as %s", election.namespace, election.name,
+                 election.identity)  # fmt: skip
+        handlers.ELECTOR.start()
+    if args.metrics_port:
+        serve_metrics(args.metrics_address, args.metrics_port)
+    kopf.run(
+        standalone=True,
+        clusterwide=args.all_namespaces,
+        namespaces=args.namespace or (),
+        liveness_endpoint=args.liveness,
+    )
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command's flags."""
     parser = argparse.ArgumentParser(prog="liveshard-operator", description=__doc__)
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--namespace", action="append", help="a namespace to watch (repeatable)")
@@ -43,19 +75,56 @@ def main(argv: list[str] | None = None) -> int:
         "--log-format", choices=logs.FORMATS, default="text",
         help="text, or json: one JSON object per log line (default text)",
     )  # fmt: skip
+    _leader_election_flags(parser)
     parser.add_argument("-v", "--verbose", action="store_true")
-    args = parser.parse_args(argv)
-    logs.configure(logging.DEBUG if args.verbose else logging.INFO, args.log_format)
-    assert handlers.run_job  # the handlers register on import
-    if args.metrics_port:
-        serve_metrics(args.metrics_address, args.metrics_port)
-    kopf.run(
-        standalone=True,
-        clusterwide=args.all_namespaces,
-        namespaces=args.namespace or (),
-        liveness_endpoint=args.liveness,
+    return parser
+
+
+def _leader_election_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("leader election (kube-controller-manager's flags)")
+    group.add_argument(
+        "--leader-elect", action=argparse.BooleanOptionalAction, default=False,
+        help="reconcile only while holding a coordination.k8s.io Lease, so that replicas stand "
+        "by for each other (default off: a single operator)",
+    )  # fmt: skip
+    group.add_argument("--leader-elect-lease-name", default="liveshard-operator",
+                       help="the Lease's name (default liveshard-operator)")  # fmt: skip
+    group.add_argument(
+        "--leader-elect-namespace",
+        help="the Lease's namespace (default: $POD_NAMESPACE, else the service account's)",
     )
-    return 0
+    group.add_argument(
+        "--leader-elect-identity",
+        help="this replica's holderIdentity (default: $POD_NAME or the host name, and a random "
+        "suffix)",
+    )  # fmt: skip
+    for flag, default, what in (
+        ("lease-duration", 15.0, "how long a standby waits on a Lease that is not renewed"),
+        ("renew-deadline", 10.0, "how long the leader tries to renew before it steps down"),
+        ("retry-period", 2.0, "how often a replica tries to acquire or renew the Lease"),
+    ):
+        group.add_argument(f"--leader-elect-{flag}", type=float, default=default, metavar="SECONDS",
+                           help=f"{what} (default {default:g})")  # fmt: skip
+
+
+def election_of(args: argparse.Namespace) -> Election:
+    """The election the flags ask for; ValueError naming what is missing or inconsistent."""
+    namespace = args.leader_elect_namespace or os.environ.get("POD_NAMESPACE")
+    if not namespace and SERVICE_ACCOUNT_NAMESPACE.is_file():
+        namespace = SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
+    if not namespace:
+        raise ValueError("--leader-elect needs --leader-elect-namespace outside a pod")
+    identity = args.leader_elect_identity or (
+        f"{os.environ.get('POD_NAME') or socket.gethostname()}_{uuid.uuid4().hex[:8]}"
+    )
+    return Election(
+        namespace=namespace,
+        name=args.leader_elect_lease_name,
+        identity=identity,
+        lease_duration=args.leader_elect_lease_duration,
+        renew_deadline=args.leader_elect_renew_deadline,
+        retry_period=args.leader_elect_retry_period,
+    )
 
 
 def serve_metrics(address: str, port: int) -> None:

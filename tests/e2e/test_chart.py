@@ -162,7 +162,19 @@ def test_rbac_grants_exactly_what_the_operator_uses(helm: Path) -> None:
     binding = _one(everywhere, "ClusterRoleBinding")
     account = _one(everywhere, "ServiceAccount")["metadata"]["name"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": "ops"}]
-    assert not [o for o in everywhere if o["kind"] in ("Role", "RoleBinding")]
+    # Leader election: its one Lease, in the release's namespace only, by name but for create.
+    election = _one(everywhere, "Role")
+    assert election["metadata"]["namespace"] == "ops"
+    assert election["rules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+         "resourceNames": ["rel-liveshard-operator"], "verbs": ["get", "update"]},
+    ]  # fmt: skip
+    election_binding = _one(everywhere, "RoleBinding", "ops")
+    assert election_binding["roleRef"]["name"] == election["metadata"]["name"]
+    assert election_binding["subjects"] == binding["subjects"]
+    alone = _render(helm, "--set", "operator.leaderElection.enabled=false")
+    assert not [o for o in alone if o["kind"] in ("Role", "RoleBinding")]
 
     # Listed namespaces: what lives in them only there; namespaces list/watch for kopf.
     listed = _render(helm, "--set", "watchNamespaces={team-a,team-b}")
@@ -170,15 +182,18 @@ def test_rbac_grants_exactly_what_the_operator_uses(helm: Path) -> None:
     assert _grants(cluster_role["rules"]) == CLUSTER | _expand({("", "namespaces"): "list watch"})
     for namespace in ("team-a", "team-b"):
         assert _grants(_one(listed, "Role", namespace)["rules"]) == NAMESPACED
+        assert "leases" not in json.dumps(_one(listed, "Role", namespace)["rules"])
         role_binding = _one(listed, "RoleBinding", namespace)
         assert role_binding["roleRef"]["kind"] == "Role"
         assert role_binding["subjects"] == binding["subjects"]
 
 
-def test_deployment_runs_one_non_root_operator_with_probes(helm: Path) -> None:
+def test_deployment_runs_a_leader_and_a_standby_non_root_with_probes(helm: Path) -> None:
     deployment = _one(_render(helm), "Deployment")
     spec = deployment["spec"]
-    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    assert spec["replicas"] == 2 and spec["strategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }  # fmt: skip
     pod = spec["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     (container,) = pod["containers"]
@@ -188,10 +203,15 @@ def test_deployment_runs_one_non_root_operator_with_probes(helm: Path) -> None:
         "--liveness=http://$(POD_IP):8080/healthz",
         "--metrics-address=$(POD_IP)",
         "--metrics-port=9401",
+        "--leader-elect",
+        "--leader-elect-lease-name=rel-liveshard-operator",
+        "--leader-elect-namespace=ops",
+        "--leader-elect-lease-duration=15",
+        "--leader-elect-renew-deadline=10",
+        "--leader-elect-retry-period=2",
     ]
-    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in (
-        container["env"]
-    )
+    for name, path in (("POD_IP", "status.podIP"), ("POD_NAME", "metadata.name")):
+        assert {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}} in container["env"]
     security = container["securityContext"]
     assert security["readOnlyRootFilesystem"] is True
     assert security["allowPrivilegeEscalation"] is False
@@ -207,6 +227,12 @@ def test_deployment_runs_one_non_root_operator_with_probes(helm: Path) -> None:
     listed = _one(_render(helm, "--set", "watchNamespaces={team-a,team-b}"), "Deployment")
     args = listed["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[:2] == ["--namespace=team-a", "--namespace=team-b"]
+
+    # Without leader election: one operator, whatever `operator.replicas` says.
+    alone = _render(helm, "--set", "operator.leaderElection.enabled=false")
+    spec = _one(alone, "Deployment")["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    assert not [a for a in spec["template"]["spec"]["containers"][0]["args"] if "leader" in a]
 
 
 def test_network_policy_opens_agent_ports_to_the_operator_and_workers_only(helm: Path) -> None:
@@ -405,8 +431,10 @@ def _install(
 ) -> str:
     """`helm install --wait` of the chart into the test's namespace; returns the release name."""
     release = release_name()
+    # One operator pod (a leader, no standby), so that the tests can look at its log.
+    values = {"operator": {"replicas": 1}, **values}
     if not real_operator:
-        values = {"operator": {"command": ["python", "-u", "-c", STAND_IN]}, **values}
+        values["operator"] = {**values["operator"], "command": ["python", "-u", "-c", STAND_IN]}
     values_file = tmp_path / f"{release}.yaml"
     values_file.write_text(yaml.safe_dump(values))
     kube.run(
@@ -447,6 +475,12 @@ def test_install_waits_for_a_ready_operator_that_passes_restricted_pod_security(
         f"--liveness=http://{ip}:8080/healthz",
         f"--metrics-address={ip}",
         "--metrics-port=9401",
+        "--leader-elect",
+        f"--leader-elect-lease-name={_account(release)}",
+        f"--leader-elect-namespace={kube.namespace}",
+        "--leader-elect-lease-duration=15",
+        "--leader-elect-renew-deadline=10",
+        "--leader-elect-retry-period=2",
     ]
 
     kube.run("helm", "uninstall", release, "-n", kube.namespace, "--wait", "--timeout=60s")
@@ -505,6 +539,8 @@ def test_operator_account_gets_403_for_what_it_does_not_use(installed: tuple[Kub
     pdbs = f"/apis/policy/v1/namespaces/{kube.namespace}/poddisruptionbudgets"
     roles = f"/apis/rbac.authorization.k8s.io/v1/namespaces/{kube.namespace}/roles"
     deployment = f"/apis/apps/v1/namespaces/{kube.namespace}/deployments/{_account(release)}"
+    leases = f"/apis/coordination.k8s.io/v1/namespaces/{kube.namespace}/leases"
+    lease = {"metadata": {"name": _account(release)}, "spec": {}}
     event = {
         "metadata": {"generateName": "probe-"},
         "involvedObject": {"kind": "Pod", "namespace": kube.namespace, "name": "probe"},
@@ -524,6 +560,8 @@ def test_operator_account_gets_403_for_what_it_does_not_use(installed: tuple[Kub
         ("create event", "POST", f"{ns}/events", event),
         ("list nodes", "GET", "/api/v1/nodes", None),
         ("list crds", "GET", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", None),
+        ("create its lease", "POST", leases, lease),
+        ("get its lease", "GET", f"{leases}/{_account(release)}", None),
     ]  # fmt: skip
     forbidden = [
         ("list secrets", "GET", f"{ns}/secrets", None),
@@ -537,6 +575,11 @@ def test_operator_account_gets_403_for_what_it_does_not_use(installed: tuple[Kub
         ("cordon a node", "PATCH", "/api/v1/nodes/node-0", {"spec": {"unschedulable": True}}),
         ("list namespaces", "GET", "/api/v1/namespaces", None),
         ("create a role", "POST", roles, {}),
+        ("list leases", "GET", leases, None),
+        ("get another lease", "GET", f"{leases}/other", None),
+        ("delete its lease", "DELETE", f"{leases}/{_account(release)}", None),
+        ("leases elsewhere", "GET", "/apis/coordination.k8s.io/v1/namespaces/default/leases/x",
+         None),
     ]  # fmt: skip
     statuses = _statuses(kube, _account(release), allowed + forbidden)
     assert {name: statuses.get(name) for name, *_ in forbidden} == {
@@ -607,7 +650,12 @@ def test_real_operator_starts_its_first_job_under_the_chart_rbac(
     assert not refusals, "\n".join(refusals[:10])
     # It serves its metrics where the chart told it to: the pod's IP, the `metrics` port.
     assert f"serving metrics at {operator['status']['podIP']}:9401/metrics" in log
-    # The operator removes its finalizer; the workers go with their owner.
+    # It leads, holding the Lease the chart named, which its Role lets it create and renew.
+    lease = kube.get(f"/apis/coordination.k8s.io/v1/namespaces/{kube.namespace}/leases/"
+                     f"{_account(release)}")  # fmt: skip
+    assert lease is not None
+    assert lease["spec"]["holderIdentity"].split("_")[0] == operator["metadata"]["name"]
+    # No finalizer holds the job; the workers go with their owner.
     kube.kubectl("delete", "etj", "tiny", "--timeout=60s")
     wait_until(lambda: not kube.pods("liveshard.io/job=tiny"), 60, "the job's workers gone")
 

@@ -1,8 +1,8 @@
 """The operator end to end on the local cluster: the chart installed with helm, the example job
 applied with kubectl, resized with `kubectl scale`, a node drained, the operator killed.
 
-Each test installs the chart (one operator pod) in its own namespace and runs a `tiny` job of 2-5
-worker pods, each a local process that imports torch and trains on CPU.
+Each test installs the chart (one operator pod, holding its Lease) in its own namespace and runs a
+`tiny` job of 2-5 worker pods, each a local process that imports torch and trains on CPU.
 """
 
 from __future__ import annotations
@@ -48,7 +48,9 @@ def operator(kube: Kube, tmp_path: Path) -> Iterator[Kube]:
     install_crd(kube)
     release = release_name()
     values = tmp_path / "values.yaml"
-    values.write_text(yaml.safe_dump({"watchNamespaces": [kube.namespace]}))
+    # One replica (leader election on, as by default): the tests read its log and metrics.
+    values.write_text(yaml.safe_dump({"watchNamespaces": [kube.namespace],
+                                      "operator": {"replicas": 1}}))  # fmt: skip
     kube.run("helm", "install", release, str(CHART), "-n", kube.namespace, "-f", str(values),
              "--wait", "--timeout=120s", timeout=150)  # fmt: skip
     yield kube
@@ -491,6 +493,34 @@ def test_a_tp_the_model_cannot_take_is_a_condition_naming_it(operator: Kube) -> 
     assert ready["status"] == "False"
     assert "tp=3 must divide heads=4" in ready["message"]
     assert not kube.pods(f"liveshard.io/job={JOB}")  # nothing was started for it
+
+
+def test_workers_that_cannot_start_are_replaced_with_backoff_then_fail_the_job(
+    operator: Kube,
+) -> None:
+    kube = operator
+    training = {**example("tiny-job")["spec"]["training"], "data": "/nonexistent/corpus.jsonl"}
+    kube.apply(job(1, training=training, scheduling={"maxStartFailures": 2}))
+    steps = Steps(kube)
+    crashing = steps.wait(lambda s: bool((s.get("reconfiguration") or {}).get("startFailures")),
+                          "a failed start counted", STARTUP)  # fmt: skip
+    degraded = next(c for c in crashing["conditions"] if c["type"] == "Degraded")
+    # The agent's refusal, as the kubelet kept its last log lines.
+    assert degraded["reason"] == "WorkerCrashing" and "exit code 2" in degraded["message"]
+    assert "/nonexistent/corpus.jsonl: no such file" in degraded["message"]
+
+    def failed(s: dict[str, Any]) -> bool:
+        return any(c["type"] == "Failed" and c["status"] == "True" for c in s.get("conditions", []))
+
+    done = steps.wait(failed, "the job Failed", STARTUP)
+    failure = next(c for c in done["conditions"] if c["type"] == "Failed")
+    assert done["phase"] == "Failed" and failure["reason"] == "WorkersCrashing"
+    row = done["reconfiguration"]["startFailures"]
+    # The second pod came after the first one's 10 s backoff, not at the next pass.
+    first = crashing["reconfiguration"]["startFailures"]
+    assert row["count"] == 2 and row["at"] - first["at"] >= 10
+    assert event_reasons(kube).count("WorkerCrashing") == 2
+    assert len(members(kube)) == 1  # the last failed pod, kept for its logs
 
 
 def test_operator_killed_mid_reconfiguration_ends_in_one_epoch(operator: Kube) -> None:

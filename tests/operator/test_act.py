@@ -15,7 +15,7 @@ from liveshard_operator.act import Executor
 from liveshard_operator.agents import AgentClient, AgentError
 from liveshard_operator.controller import JobController
 from liveshard_operator.decide import decide
-from liveshard_operator.kube import ApiError
+from liveshard_operator.kube import ApiError, Kube, Stale
 from liveshard_operator.observation import Observation
 from liveshard_operator.world import Record
 
@@ -30,12 +30,19 @@ class FakeKube:
 
     def __init__(self, calls: Calls, job: dict[str, Any] | None = None) -> None:
         self.calls, self.job = calls, job
+        self.versions: list[str | None] = []  # the resourceVersion each status write was over
 
     def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         return self.job
 
-    def patch_job_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+    def patch_job_status(
+        self, namespace: str, name: str, status: dict[str, Any], version: str | None = None
+    ) -> None:
         self.calls.append(("status", status))
+        self.versions.append(version)
+
+    def remove_job_finalizer(self, job: dict[str, Any], finalizer: str) -> None:
+        self.calls.append(("unfinalize", finalizer))
 
     def get(self, namespace: str, resource: str, name: str) -> dict[str, Any] | None:
         return {"data": {"token": base64.b64encode(b"secret").decode()}}
@@ -207,6 +214,56 @@ def test_the_controller_observes_decides_and_acts(monkeypatch: pytest.MonkeyPatc
     clients.update({m: FakeAgent(m, calls) for m in pods.pods})  # type: ignore[misc]
     assert controller.reconcile()
     assert kinds(calls)[:2] == ["host_store p0", "status"]
+
+
+class Changed(FakeKube):
+    """The job changed since the pass read it: the status write is refused (409)."""
+
+    def patch_job_status(
+        self, namespace: str, name: str, status: dict[str, Any], version: str | None = None
+    ) -> None:
+        super().patch_job_status(namespace, name, status, version)
+        raise Stale("PATCH", "/apis/liveshard.io/.../status", 409, '{"reason":"Conflict"}')
+
+
+def test_the_status_is_written_over_the_version_read_and_a_changed_job_ends_the_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pods = seen(*(pod(f"p{i}", standby()) for i in range(4)))
+    monkeypatch.setattr(controller_module, "observe", lambda *_: pods)
+    body = {**BODY, "metadata": {**BODY["metadata"], "resourceVersion": "41"}}
+    for kube, after in ((FakeKube([], body), True), (Changed([], body), False)):
+        controller = JobController(kube, "ns", "tiny", lambda *_: None)  # type: ignore[arg-type]
+        controller.clients.update({m: FakeAgent(m, kube.calls) for m in pods.pods})  # type: ignore[misc]
+        assert controller.reconcile()  # a refused write is no failure: the next pass reads again
+        assert kube.versions == ["41"]
+        # Refused, the pass stops at the write: no Prepare goes out for an unrecorded epoch.
+        assert kinds(kube.calls)[:2] == ["host_store p0", "status"]
+        assert any(call[0] == "prepare" for call in kube.calls) is after
+
+
+def test_the_status_patch_names_the_version_read_and_a_409_on_it_is_stale() -> None:
+    sent: Calls = []
+
+    class Server(Kube):
+        def request(self, method: str, path: str, body: Any = None, **_: Any) -> Any:
+            sent.append((method, path, body))
+            raise ApiError(method, path, 409, '{"reason":"Conflict"}')
+
+    with pytest.raises(Stale):
+        Server("https://api").patch_job_status("ns", "tiny", {"phase": "Running"}, "41")
+    path = "/apis/liveshard.io/v1alpha1/namespaces/ns/elastictrainingjobs/tiny/status"
+    body = {"status": {"phase": "Running"}, "metadata": {"resourceVersion": "41"}}
+    assert sent == [("PATCH", path, body)]
+
+
+def test_a_finalizer_left_by_an_earlier_operator_is_taken_off() -> None:
+    calls: Calls = []
+    meta = {**BODY["metadata"], "finalizers": [controller_module.LEGACY_FINALIZER, "other"]}
+    controller = JobController(FakeKube(calls, {**BODY, "metadata": meta}), "ns", "tiny",
+                               lambda *_: None)  # type: ignore[arg-type]  # fmt: skip
+    assert controller.reconcile()
+    assert calls == [("unfinalize", "liveshard.io/finalizer")]
 
 
 class NoPodGroups(FakeKube):

@@ -1,0 +1,63 @@
+"""The handlers' job loops (one thread each, no kopf daemon): a standby keeps its loops idle and
+runs them once it leads; a deleted job's loop stops. The controller is a stand-in that counts its
+passes."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+from liveshard_operator import handlers
+
+
+class Passes:
+    """A controller that counts its passes."""
+
+    count = 0
+    closed = threading.Event()
+
+    def __init__(self, *_: Any) -> None:
+        pass
+
+    def reconcile(self) -> bool:
+        Passes.count += 1
+        return True
+
+    def close(self) -> None:
+        Passes.closed.set()
+
+
+class Lease:
+    def __init__(self) -> None:
+        self.held = False
+
+    def leading(self) -> bool:
+        return self.held
+
+
+def test_a_standby_runs_no_pass_until_it_leads_and_a_deleted_job_stops_its_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    lease = Lease()
+    monkeypatch.setattr(handlers, "JobController", Passes)
+    monkeypatch.setattr(handlers, "api", lambda: None)
+    monkeypatch.setattr(handlers, "ELECTOR", lease)
+    handlers.job_changed(type=None, name="tiny", namespace="ns", uid="u-1")
+    loop = handlers.loop_of("ns", "tiny")
+    assert loop is not None
+    handlers.job_changed(type="MODIFIED", name="tiny", namespace="ns", uid="u-1")
+    assert handlers.loop_of("ns", "tiny") is loop  # one loop per job
+    threading.Event().wait(0.3)
+    assert Passes.count == 0  # a standby watches, but runs no pass
+    lease.held = True
+    handlers.wake_all()
+    for _ in range(50):
+        if Passes.count:
+            break
+        threading.Event().wait(0.1)
+    assert Passes.count > 0, "no pass once leading"
+    handlers.job_changed(type="DELETED", name="tiny", namespace="ns", uid="u-1")
+    loop.thread.join(5)
+    assert not loop.thread.is_alive() and Passes.closed.is_set()
+    assert handlers.loop_of("ns", "tiny") is None
