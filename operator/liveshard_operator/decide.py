@@ -18,6 +18,9 @@ does one thing:
   first; the pods that land together join together; a pod the scheduler cannot place holds
   nothing up and is reported missing), and start a reconfiguration when the layout or the
   members must change;
+- a worker pod that failed before it became a member (it crashed, or its agent refused the job's
+  configuration) is replaced with backoff, and the job Failed when too many fail in a row before
+  it has a world (`start_failures`);
 - a recovery from a lost member that aborted (no surviving copy of some state, or survivors that
   stopped in different states) cannot succeed by retrying: the job starts a new first world from
   its last saved checkpoint with the pods it has (its step goes back to the checkpoint's), or is
@@ -35,7 +38,7 @@ from dataclasses import replace
 from liveshard.v1 import agent_pb2 as pb
 from liveshard_core.errors import InvalidInput
 
-from . import policy
+from . import checkpoints, policy, start_failures
 from .actions import Begin, Checkpoint, DeletePod, Event, EventType, ReleaseMember
 from .decision import Decision, Draft
 from .inflight import progress
@@ -50,8 +53,14 @@ _NO_STORE = ("", 0)  # a plan's store until its host answers
 def decide(seen: Observation, record: Record, job: Job, now: float) -> Decision:
     """The next idempotent step of `job` (see the module's docstring)."""
     draft = Draft(seen, record, job, now)
+    _note_failed_checkpoint(draft)
     in_world = set(record.in_flight.union() if record.in_flight else ())
-    _note_missing(draft, in_world | set(record.world.members if record.world else ()))
+    if record.in_flight and record.in_flight.old:  # a lost member's pod is the recovery's
+        in_world.update(record.in_flight.old.members)
+    in_world.update(record.world.members if record.world else ())
+    if start_failures.note(draft, in_world):
+        return draft.decision()
+    _note_missing(draft, in_world)
     if record.in_flight is not None:
         progress(draft, record.in_flight)
     elif job.spec.suspend and _suspend(draft):
@@ -132,6 +141,9 @@ def _steady(draft: Draft, world: World) -> None:
         _finish(draft, world)
         return
     lost = [m for m in members if m not in pods or pods[m].gone] + _silent(draft, members)
+    # Every member says its world broke and none is lost (a partition between members, or one
+    # slower than the op deadline): the world is built again, in its own layout.
+    rebuild = not lost and all(_broken(pods.get(m)) for m in members)
     leaving = [m for m in members if m in pods and pods[m].leaving and m not in lost]
     stayers = [m for m in members if m not in lost and m not in leaving]
     standby = [p for p in draft.seen.live() if p.standing_by and p.name not in members]
@@ -142,7 +154,7 @@ def _steady(draft: Draft, world: World) -> None:
     for pod in pods.values():  # a standing-by pod that must go holds no state
         if pod.leaving and pod.name not in members:
             draft.after.append(ReleaseMember(pod.name))
-    urgent = lost or leaving
+    urgent = lost or leaving or rebuild
     candidates = stayers + [p.name for p in standby]
     target = min(wanted, len(candidates))
     if not urgent and landing and len(candidates) < wanted:
@@ -161,6 +173,12 @@ def _steady(draft: Draft, world: World) -> None:
     joiners = [p.name for p in standby]
     new_members = policy.assign(model, old, choice.degrees, stayers, joiners)
     draft.spares = [p.name for p in standby if p.name not in new_members]
+    if rebuild:
+        _begin(draft, InFlight(
+            epoch=_next_epoch(draft), reason="rebuild: every member's world broke, none is lost",
+            new=World.of(0, old), store=_NO_STORE, started=draft.now, old=world,
+        ))  # fmt: skip
+        return
     if choice.degrees.layout(model, new_members) == old:
         if len(candidates) > choice.used:
             draft.message = (
@@ -219,6 +237,15 @@ def _suspend(draft: Draft) -> bool:
         ))  # fmt: skip
         return True
     draft.message = f"suspending: saving the state of step >= {speaker.step} to {saving.path}"
+    failed = checkpoints.last_failed(draft.job, draft.seen, draft.now)
+    if failed is not None and failed.number >= saving.number:
+        wait = failed.seconds + checkpoints.RETRY_SECONDS - draft.now
+        if wait > 0:
+            draft.message = f"suspending: {failed.describe()}; asking again in {wait:.0f} s"
+            return True
+        number = max(record.checkpoint_asked, failed.number) + 1
+        saving = Suspension(number, _checkpoint_dir(draft, f"suspend-{number}"))
+        draft.record = replace(draft.record, suspended=saving)
     if record.checkpoint_asked < saving.number:
         draft.ask = Checkpoint(world.members, saving.number, saving.path, int(speaker.step))
     return True
@@ -243,7 +270,7 @@ def _note_missing(draft: Draft, members: set[str]) -> None:
     awaited = {p.name for p in _landing(draft, members)}
     missing = [p for p in draft.seen.live()
                if p.name not in members and not p.ready and p.name not in awaited]  # fmt: skip
-    if not missing:
+    if not missing or draft.missing is not None:  # pods failing to start say more
         return
 
     def why(pod: Pod) -> str:
@@ -307,6 +334,10 @@ def _exported(draft: Draft, world: World, export: str) -> bool:
         draft.exported = export
         draft.message = f"exported step {saved.step} to {export}"
         return True
+    failed = checkpoints.last_failed(draft.job, draft.seen, draft.now)
+    if failed is not None and failed.number >= draft.record.checkpoint_asked:
+        draft.message = f"not exported to {export}: {failed.describe()}"
+        return True
     unable = saved.export_error or next(
         (f"{m} is gone" for m, a in zip(world.members, agents, strict=True)
          if a is None or a.phase not in (pb.AgentStatus.DONE, pb.AgentStatus.TRAINING)),
@@ -359,17 +390,25 @@ def _checkpoint_dir(draft: Draft, name: str) -> str:
     return f"{(draft.job.spec.checkpoint_path or '').rstrip('/')}/{name}"
 
 
+def _note_failed_checkpoint(draft: Draft) -> None:
+    """A checkpoint the agents report failed, seen for the first time: a Warning event naming
+    the reason (the status keeps it, and the Degraded condition says it, until one is saved).
+    It is not asked again: the next checkpoint is, at its period."""
+    failed = checkpoints.newly_failed(draft.job, draft.seen, draft.now)
+    if failed is not None:
+        draft.after.append(Event(EventType.WARNING, "CheckpointFailed", failed.describe()))
+
+
 def _restore(draft: Draft, why: str) -> None:
-    """Start a new first world from the last checkpoint the members saved, with every ready
-    pod that is standing by or whose world broke; Failed when none was saved."""
+    """Start a new first world from the last checkpoint saved (as an agent reports it, or as the
+    status kept it when no agent that saved it is left), with every ready pod that is standing
+    by or whose world broke; Failed when none was saved."""
     spec, model = draft.job.spec, draft.job.model
-    saved = [p.agent.last_checkpoint for p in draft.seen.pods.values()
-             if p.agent is not None and p.agent.last_checkpoint.path]  # fmt: skip
-    if not saved:
+    last = checkpoints.last_saved(draft.job, draft.seen, draft.now)
+    if last is None:
         message = f"{why}; no checkpoint was saved, so the job cannot go on"
         draft.failure = Failure("NoCopyNoCheckpoint", message)
         return
-    last = max(saved, key=lambda c: c.number)
     ready = [p.name for p in draft.seen.live()
              if p.ready and p.agent is not None and p.agent.phase in _RESTARTABLE]  # fmt: skip
     draft.keep_pods(spec.replicas, set(ready))

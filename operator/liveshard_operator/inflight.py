@@ -76,9 +76,9 @@ def progress(draft: Draft, plan: InFlight) -> None:
         _abort(draft, plan, why, agents)
         causes = {cause_of(agents[m].last_switch) for m in aborted}
         # the same recovery would abort again
-        if plan.lost and any(c is not None and c.permanent for c in causes):
-            lost = ", ".join(plan.lost)
-            restore = f"the recovery from the loss of {lost} {why}"
+        if any(c is not None and c.permanent for c in causes):
+            what = f"recovery from the loss of {', '.join(plan.lost)}" if plan.lost else "rebuild"
+            restore = f"the {what} {why}"
             draft.record = replace(draft.record, restore=restore)
     else:
         draft.after += prepares(draft.job, draft.seen, plan)

@@ -27,7 +27,7 @@ from liveshard_operator.decision import Decision, checkpointed, hosted, not_host
 from liveshard_operator.inflight import backoff
 from liveshard_operator.observation import Job, Observation
 from liveshard_operator.publish import HISTORY
-from liveshard_operator.world import InFlight, Record, Suspension
+from liveshard_operator.world import InFlight, Record, StartFailures, Suspension
 
 from liveshard.v1 import agent_pb2 as pb
 from liveshard_core.errors import InvalidInput
@@ -36,6 +36,7 @@ from tests.operator.values import (
     broken,
     checkpoint,
     done,
+    failed,
     job,
     pending,
     pod,
@@ -104,6 +105,16 @@ RESUME = job(2, checkpoint={"path": "/ck/"})
 SAVING = Suspension(1, "/ck/suspend-1")  # asked of the members, not saved yet
 SAVED = replace(SAVING, step=12)
 UNSCHEDULABLE = "Unschedulable: 0/3 nodes are available: 3 node(s) were unschedulable."
+OOM = "container agent: OOMKilled, exit code 137"
+REFUSED = "agent: LIVESHARD_CONFIG: training: /data/x: no such file or folder"
+LAST = f"p9: {OOM}"
+OLD = NOW - 1000  # scheduled long before the failures of the table
+# p0 stands by; p1's agent was killed for the memory it took (a job of 2 that needs 2 to start).
+J2OF2 = job(2, minReplicas=2)
+P1_OOM = seen(pod("p0", standby(), since=OLD), pod("p1", None, gone=True, failure=OOM))
+# p0 and p1 train in W2; p2 failed to start.
+W2_P2_OOM = seen(*(pod(m, training(1), role=M, since=OLD) for m in ("p0", "p1")),
+                 pod("p2", None, gone=True, failure=OOM))  # fmt: skip
 # p0's and p1's world broke; p2 answers nothing.
 P2_SILENT = seen(
     pod("p0", broken(1), role=M), pod("p1", broken(1), role=M), pod("p2", None, role=M)
@@ -300,10 +311,75 @@ CASES: dict[str, Case] = {
         Record(world=W3, silent={"p2": NOW - 10}), "Running", after=["delete p2"],
         ask="begin 2 on p0: p0,p1 from epoch 1 lost=p2 lost p2",
     ),
+    "every member's world broke, none is lost (a partition): rebuild in the same layout": Case(
+        J3, seen(*[pod(m, broken(1), role=M) for m in ("p0", "p1", "p2")]),
+        Record(world=W3), "Running",
+        ask="begin 2 on p0: p0,p1,p2 from epoch 1 rebuild: every member's world broke, none is "
+            "lost",
+    ),
     "a member that does not answer while nothing broke is not silent": Case(
         J3, seen(pod("p0", training(1), role=M), pod("p1", training(1), role=M),
                  pod("p2", None, role=M)),
         Record(world=W3, silent={"p2": NOW - 60}), "Running", changed={"silent": {}},
+    ),
+    # ---- worker pods that fail before they become members ----
+    "a pod failed to start: counted, reported, no new pod for 10 s": Case(
+        J2OF2, P1_OOM, Record(), "Pending", after=["Warning WorkerCrashing"],
+        message="waiting for ready pods: 1 of 2 ready", degraded="WorkerCrashing",
+        changed={"start_failures": StartFailures(1, f"p1: {OOM}", NOW, NOW + 10, ("p1",))},
+    ),
+    "backing off: the failed pod is kept (its logs) and not counted again": Case(
+        J2OF2, P1_OOM, Record(start_failures=StartFailures(1, f"p1: {OOM}", NOW - 5, NOW + 5,
+                                                           ("p1",))),
+        "Pending", degraded="WorkerCrashing",
+    ),
+    "backoff over: the failed pod is deleted and replaced": Case(
+        J2OF2, P1_OOM, Record(start_failures=StartFailures(1, f"p1: {OOM}", NOW - 10, NOW,
+                                                           ("p1",))),
+        "Pending", after=["delete p1", "create"], degraded="WorkerCrashing",
+    ),
+    "the next failure in a row backs off twice as long": Case(
+        J2OF2, seen(pod("p0", standby(), since=OLD), pod("p2", None, gone=True, failure=OOM)),
+        Record(start_failures=StartFailures(2, LAST, NOW - 30, NOW - 10, ("p1",))), "Pending",
+        after=["Warning WorkerCrashing"], degraded="WorkerCrashing",
+        changed={"start_failures": StartFailures(3, f"p2: {OOM}", NOW, NOW + 40, ("p2",))},
+    ),
+    "a pod that crash-loops is deleted when it is replaced": Case(
+        J2OF2, seen(pod("p0", standby(), since=OLD),
+                    pod("p1", None, failure="container agent: crash-looping, last Error, "
+                                            "exit code 2")),
+        Record(start_failures=StartFailures(1, LAST, NOW - 10, NOW, ("p1",))), "Pending",
+        after=["delete p1", "create"], degraded="WorkerCrashing",
+    ),
+    "an agent that refuses its configuration counts as a failed start": Case(
+        J2OF2, seen(pod("p0", standby(), since=OLD), pod("p1", failed(REFUSED[7:]))), Record(),
+        "Pending",
+        after=["Warning WorkerCrashing"], degraded="WorkerCrashing",
+        changed={"start_failures": StartFailures(1, f"p1: {REFUSED}", NOW, NOW + 10, ("p1",))},
+    ),
+    "maxStartFailures in a row and no world: Failed, the pods that run released": Case(
+        job(2, minReplicas=2, scheduling={"maxStartFailures": 3}), P1_OOM,
+        Record(start_failures=StartFailures(2, LAST, NOW - 30, NOW - 10)), "Failed",
+        before=["release p0", "delete p0"],
+        after=["Warning WorkerCrashing", "Warning WorkersCrashing"], degraded="WorkerCrashing",
+        changed={"start_failures": StartFailures(3, f"p1: {OOM}", NOW, NOW + 40, ("p1",))},
+    ),
+    "maxStartFailures in a row with a world: train on with the members, Degraded": Case(
+        J3, W2_P2_OOM, Record(world=W2, start_failures=StartFailures(4, LAST, NOW - 90, NOW - 10)),
+        "Running", after=["Warning WorkerCrashing"], degraded="WorkerCrashing",
+        changed={"start_failures": StartFailures(5, f"p2: {OOM}", NOW, NOW + 160, ("p2",))},
+    ),
+    "a pod scheduled after the last failure starts fine: the row ends, it joins": Case(
+        J3, seen(pod("p0", training(1), role=M, since=OLD),
+                 pod("p1", training(1), role=M, since=OLD), pod("p2", standby(), role=S)),
+        Record(world=W2, start_failures=StartFailures(3, LAST, NOW - 60, NOW - 20)), "Running",
+        ask="begin 2 on p0: p0,p2,p1 from epoch 1 scale 2 -> 3",
+        changed={"start_failures": StartFailures()},
+    ),
+    "a member's pod that died is the recovery's, not a failed start": Case(
+        J3, seen(*TRAINING3[:2], pod("p2", None, role=M, gone=True, failure=OOM)),
+        Record(world=W3), "Running", after=["create"],
+        ask="begin 2 on p0: p0,p1 from epoch 1 lost=p2 lost p2",
     ),
     # ---- a reconfiguration in flight ----
     "in flight: every new member trains in its epoch, commit": Case(

@@ -151,4 +151,3 @@ def settle(store: Store, epoch: int, proposal: Failure | None) -> Failure | None
     if recorded.get("commit"):
         return None
     return Failure(Cause(recorded["cause"]), str(recorded["reason"]))
-

@@ -54,7 +54,7 @@ from .agreement import NONE, Readiness
 from .announcement import AbortAnnounced, SwitchAnnounced, announce, announced
 from .change import HELD, Change, Pending, max_over_world, state_digest
 from .data import job_dataset, tokenizer_of
-from .events import Checkpointed, Switched
+from .events import Checkpointed, CheckpointFailed, Switched
 from .pretrained import load_pretrained
 from .recovery import Breakage, BreakReport
 from .trainer import Scalars, StepRecord, Trainer, initial_state
@@ -176,11 +176,17 @@ class Member:
     def restore(self, layout: Layout, directory: str, epoch: int = 0) -> None:
         """Join a first world with the state and scalars of a checkpoint (written in any
         layout); every member of `layout` calls this."""
+        checkpoint.read_metadata(directory, self.spec)  # before any peer is waited for
         world = self._world(layout, epoch)
-        state, scalars = checkpoint.load(
-            self.spec, layout, layout.rank_of(self.name), self.device, directory,
-            store=self.store, prefix=keys.restore_prefix(epoch), timeout=self.deadlines.prepare,
-        )  # fmt: skip
+        try:
+            state, scalars = checkpoint.load(
+                self.spec, layout, layout.rank_of(self.name), self.device, directory,
+                store=self.store, prefix=keys.restore_prefix(epoch),
+                timeout=self.deadlines.prepare,
+            )  # fmt: skip
+        except checkpoint.CheckpointError:
+            close_in_background(list(world.groups.values()))  # it stands by, as before
+            raise
         self._train(state, world, scalars)
 
     def _world(self, layout: Layout, epoch: int) -> World:
@@ -225,14 +231,14 @@ class Member:
             checkpoint=due.number if due else NONE,
         )  # fmt: skip
 
-    def at_boundary(self) -> list[Switched | Checkpointed]:
+    def at_boundary(self) -> list[Switched | Checkpointed | CheckpointFailed]:
         """Called by every training member after every step: checkpoint and switch if due, as
         the values the step's all-reduce summed say (the same on every member)."""
         trainer, agreed = self.trainer, self._agreement
         assert trainer is not None, f"{self.name} is standing by"
         assert agreed is not None, "a step comes first"
         boundary = time.perf_counter()
-        events: list[Switched | Checkpointed] = []
+        events: list[Switched | Checkpointed | CheckpointFailed] = []
         due = self.checkpoint_due
         if due is not None and agreed.same_checkpoint and trainer.scalars.step >= due.at_step:
             events.append(self._checkpoint(due))
@@ -264,7 +270,7 @@ class Member:
 
     def request_checkpoint(
         self, number: int, path: str, at_step: int, export_to: str = ""
-    ) -> Checkpointed | None:
+    ) -> Checkpointed | CheckpointFailed | None:
         """Save checkpoint `number` to `path` at the first boundary at or after `at_step` at which
         every member of the world has asked for the same number (`export_to`: see
         `Checkpointed`); at once if the world has trained the job's last step (`at_end`)."""
@@ -279,7 +285,7 @@ class Member:
         self.checkpoint_due = _Checkpoint(number, path, at_step, export_to)
         return self.at_end()
 
-    def at_end(self) -> Checkpointed | None:
+    def at_end(self) -> Checkpointed | CheckpointFailed | None:
         """Once its world has trained the job's last step, no boundary is left to agree at: a
         checkpoint due by then is saved at once. Every member of the world stands at that step
         and does the same, when the job ends or when the request comes, and the save's own
@@ -289,21 +295,30 @@ class Member:
             return None
         return self._checkpoint(due)
 
-    def checkpoint(self, directory: str) -> float:
+    def checkpoint(self, directory: str, number: int = 0) -> float:
         """Save the job's state now (every member of the world calls this at the same
-        boundary); returns the seconds it took."""
+        boundary); returns the seconds it took. Raises `checkpoint.CheckpointError` on every
+        member alike when it could not be saved (see `checkpoint.save`)."""
         trainer = self.trainer
         assert trainer is not None, f"{self.name} is standing by"
         start = time.perf_counter()
+        # Each attempt meets under its own prefix: a failed one may have left keys behind.
+        prefix = f"{keys.checkpoint_prefix(self.epoch, trainer.scalars.step)}/{number}"
         checkpoint.save(
             trainer.state, trainer.scalars, self.settings, directory, store=self.store,
-            prefix=keys.checkpoint_prefix(self.epoch, trainer.scalars.step),
-            timeout=self.deadlines.prepare, hf=self.hf,
+            prefix=prefix, timeout=self.deadlines.prepare, hf=self.hf,
         )  # fmt: skip
         return time.perf_counter() - start
 
-    def _checkpoint(self, due: _Checkpoint) -> Checkpointed:
-        seconds = self.checkpoint(due.path)
+    def _checkpoint(self, due: _Checkpoint) -> Checkpointed | CheckpointFailed:
+        """Save `due`; a save that failed on any member is reported the same way by all of them,
+        and training goes on (the next checkpoint asked for may succeed)."""
+        try:
+            seconds = self.checkpoint(due.path, due.number)
+        except checkpoint.CheckpointError as err:
+            self.checkpoint_due = None
+            self.log.warning("checkpoint %s at step %s failed: %s", due.number, self.step, err)
+            return CheckpointFailed(due.number, self.step, due.path, str(err), self.speaks)
         self.checkpoint_due = None
         return Checkpointed(
             due.number, self.step, due.path, round(seconds, 6), self.speaks, due.export_to
@@ -313,16 +328,19 @@ class Member:
 
     def request(self, change: Change) -> list[Switched]:
         """Begin preparing `change` in the background (a member of either layout calls this).
-        A change with lost members supersedes a pending change: the events of those dropped."""
+        A recovery (a change with lost members, or the same layout again asked of a member whose
+        world broke: a rebuild, after a partition or a timeout) supersedes a pending change: the
+        events of those dropped."""
         broken = self.broken
-        if broken is not None and not change.lost:
+        if broken is not None and not change.lost and change.old != change.new:
             raise InvalidInput(
                 f"{self.name}: the world broke at step {broken.step} ({broken.reason}); only a "
-                "recovery (a change with lost members) can follow"
+                "recovery (a change with lost members, or the same layout again) can follow"
             )
         superseded = []
         pending = self.pending
-        if pending is not None and change.lost and change.epoch > pending.change.epoch:
+        recovery = bool(change.lost) or broken is not None
+        if pending is not None and recovery and change.epoch > pending.change.epoch:
             superseded.append(
                 self.drop(pending.change.epoch, f"superseded by the recovery epoch {change.epoch}")
             )

@@ -156,8 +156,13 @@ class AgentService:
         with self._lock:
             snapshot = self._serving()
             pending = snapshot.pending
-            # A recovery (a change with lost members) supersedes what is pending here.
-            recovery = isinstance(order.command, Prepare) and bool(order.command.change.lost)
+            # A recovery supersedes what is pending here: a change with lost members, or the
+            # rebuild of a broken world in its own layout (none lost: a partition, a timeout).
+            command = order.command
+            recovery = isinstance(command, Prepare) and (
+                bool(command.change.lost)
+                or (snapshot.observed.broken and command.change.old == command.change.new)
+            )
             if pending is not None and not (recovery and order.epoch > pending.epoch):
                 if pending.epoch == order.epoch and self.accepted.get(order.epoch) == request:
                     return pb.PrepareResponse()  # a replay of the request in progress
@@ -175,7 +180,8 @@ class AgentService:
             if seen.broken and not recovery and order.old is not None:
                 raise Refused(
                     f"{snapshot.message}; only a recovery (a Prepare naming the dead members "
-                    "`lost`) or a new first world (no `from`, restoring a checkpoint) can follow"
+                    "`lost`, or the same layout again when none is), or a new first world (no "
+                    "`from`, restoring a checkpoint) can follow"
                 )
             if seen.done:
                 raise Refused(f"the job has trained its last step ({snapshot.steps})")

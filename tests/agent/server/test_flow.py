@@ -272,3 +272,28 @@ def test_a_joining_member_whose_store_dies_gives_the_change_up(tmp_path: Path) -
         assert status.last_switch.result == pb.SwitchSummary.ABORTED
         assert "the store of epoch 1 failed" in status.last_switch.reason
         assert status.phase == Phase.STANDBY and not status.HasField("pending")
+
+
+def test_a_world_broken_everywhere_without_a_death_is_rebuilt_in_its_layout(
+    tmp_path: Path,
+) -> None:
+    """2 agent processes: a1 stops (SIGSTOP) past the op deadline, so a0's world breaks; it
+    resumes and finds its world broken too. Nobody died: the same layout is prepared again (no
+    member lost), and both train on from the step they stopped at."""
+    config = {**CONFIG, "deadlines": {"op": 5, "switch": 10, "prepare": 60}}
+    with agents(["a0", "a1"], tmp_path, LIVESHARD_CONFIG=json.dumps(config)) as started:
+        a0, a1 = started["a0"], started["a1"]
+        pair = layout(["a0", "a1"], dp=2)
+        prepare([a0, a1], pb.PrepareRequest(epoch=0, store=host_store(a0, 0), to=pair))
+        trains(a0, 2)
+        a1.signal(signal.SIGSTOP)
+        stopped = a0.wait_for("broken", lambda s: s.phase == Phase.BROKEN).step
+        a1.signal(signal.SIGCONT)
+        assert a1.wait_for("broken", lambda s: s.phase == Phase.BROKEN).step == stopped
+        moved = change(1, host_store(a0, 1), pair, layout(["a0", "a1"], tp=2))
+        err = a0.refused("Prepare", moved)
+        assert err.code() == Code.FAILED_PRECONDITION and "only a recovery" in str(err.details())
+        prepare([a0, a1], change(1, host_store(a0, 1), pair, pair))
+        for status in switched([a0, a1], 1):
+            assert status.last_switch.step == stopped and status.last_switch.network_bytes == 0
+        assert trains(a1, stopped).layout == pair
