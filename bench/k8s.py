@@ -22,8 +22,11 @@ in one run:
   node open: the time from the apply to training with 2; then a second node opens (uncordon): the
   time from that to a member training in the grown layout, both new pods joining in one
   reconfiguration (the scheduling, the processes' start and pre-warm included), and its pause.
+- goodput through volatile capacity: one scripted sequence of changes (scale 4 -> 2, a worker
+  lost, scale 2 -> 3, 40 s of training before each and after the last), live and then by
+  checkpoint and restart at each change: the share of the wall time the job trained (`goodput`).
 
-    python bench/k8s.py [--out bench/results/k8s.json]
+    python bench/k8s.py [--out bench/results/k8s.json] [--only goodput]
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -236,10 +240,75 @@ def landing(kube: Kube, nodes: list[str]) -> dict[str, Any]:
     }
 
 
+SPAN = 40.0  # seconds of training before each capacity change, and after the last
+
+
+def _history_since(kube: Kube, since: float) -> list[dict[str, Any]]:
+    """The job's reconfigurations that ended after `since` (seconds since the epoch)."""
+    history = _status(kube).get("history") or []
+    return [h for h in history if datetime.fromisoformat(h["time"]).timestamp() >= since]
+
+
+def goodput(kube: Kube, scratch: str) -> dict[str, Any]:
+    """One scripted sequence of capacity changes, SPAN seconds of training before each and after
+    the last: scale 4 -> 2, a worker lost (the job grows back to 2 when its pod is replaced),
+    scale 2 -> 3. Done live, then by checkpoint and restart at each change. Goodput is the share
+    of the wall time the job trained: live, the wall time less the exposed pauses of every
+    reconfiguration (from the job's status.history); restarting, less each checkpoint's save and
+    each delete-recreate-resume, the loss counted as if a checkpoint had been saved just before
+    it (the best case for restarting)."""
+    kube.kubectl("delete", "etj", JOB, "--wait=true", "--ignore-not-found", timeout=180)
+    kube.apply(_job(4))
+    _training(kube, 4)
+    time.sleep(5)
+
+    def arm(changes: list[Callable[[], float]]) -> dict[str, Any]:
+        since, start = time.time(), time.perf_counter()
+        first = _status(kube)["step"]
+        down = 0.0
+        for change in changes:
+            time.sleep(SPAN)
+            down += change()
+        time.sleep(SPAN)
+        wall = time.perf_counter() - start
+        return {
+            "wall_seconds": round(wall, 1), "down_seconds": round(down, 3),
+            "goodput": round(1 - down / wall, 4), "steps": _status(kube)["step"] - first,
+            "since": since,
+        }  # fmt: skip
+
+    def live_change(change: Callable[[], object]) -> Callable[[], float]:
+        def run() -> float:
+            change()
+            return 0.0  # the pauses are read from the job's history once the arm is done
+
+        return run
+
+    live_arm = arm([
+        live_change(lambda: live(kube, 2)), live_change(lambda: lost(kube)),
+        live_change(lambda: live(kube, 3)),
+    ])  # fmt: skip
+    paused = sum(h.get("pauseSeconds", 0.0) for h in _history_since(kube, live_arm.pop("since")))
+    live_arm["down_seconds"] = round(paused, 3)
+    live_arm["goodput"] = round(1 - paused / live_arm["wall_seconds"], 4)
+    numbers = iter(range(11, 100))
+    restart_arm = arm([
+        lambda: restart(kube, 2, scratch, next(numbers))["total_seconds"],
+        lambda: restart(kube, 2, scratch, next(numbers))["total_seconds"],
+        lambda: restart(kube, 3, scratch, next(numbers))["total_seconds"],
+    ])  # fmt: skip
+    restart_arm.pop("since")
+    return {
+        "sequence": "scale 4 -> 2, lose 1 of 2 (grow back), scale 2 -> 3",
+        "span_seconds": SPAN, "live": live_arm, "checkpoint_restart": restart_arm,
+    }  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="also write the results to this JSON file")
     parser.add_argument("--keep", action="store_true", help="leave the cluster running")
+    parser.add_argument("--only", choices=["goodput"], help="run this scenario alone")
     args = parser.parse_args()
     info = cluster.up(cluster.ClusterOptions(name="bench", nodes=3))
     admin = Kube(info)
@@ -255,6 +324,12 @@ def main() -> None:
         kube.run("helm", "upgrade", "--install", "liveshard", str(ROOT / "charts" / "liveshard"),
                  "-n", NAMESPACE, "--set", f"watchNamespaces={{{NAMESPACE}}}", "--wait",
                  "--timeout=180s", timeout=240)  # fmt: skip
+        if args.only == "goodput":
+            result = {"machine": machine("local cluster (process kubelet), gloo on CPU"),
+                      "goodput": goodput(kube, scratch)}  # fmt: skip
+            print(json.dumps(result, indent=1), flush=True)
+            write_json(args.out, result)
+            return
         kube.apply(_job(4))
         _training(kube, 4)
         time.sleep(5)
@@ -262,6 +337,7 @@ def main() -> None:
         recovery = lost(kube)
         restarts = [restart(kube, 2, scratch, 1), restart(kube, 3, scratch, 2)]
         arrival = landing(kube, list(info.nodes))
+        volatile = goodput(kube, scratch)
         # Today a lost worker means restarting the survivors from the last checkpoint.
         recovery["checkpoint_restart_seconds"] = restarts[0]["delete_recreate_resume_seconds"]
         recovery["speedup_end_to_end"] = round(
@@ -278,7 +354,7 @@ def main() -> None:
         result = {
             "machine": machine("local cluster (process kubelet), gloo on CPU"),
             "live": resizes, "lost": recovery, "checkpoint_restart": restarts,
-            "landing": arrival,
+            "landing": arrival, "goodput": volatile,
         }  # fmt: skip
         print(json.dumps(result, indent=1), flush=True)
         write_json(args.out, result)
