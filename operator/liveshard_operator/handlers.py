@@ -123,7 +123,9 @@ def loop_of(namespace: str, name: str) -> JobLoop | None:
 
 
 def wake_all(leads: bool = True) -> None:
-    """Wake every loop (the Elector's callback: a new leader starts its passes at once)."""
+    """Wake every loop (the Elector's callback: a new leader starts its passes at once); the
+    leader gauge says whether this replica leads."""
+    METRICS.leader.set(1 if leads else 0)
     if leads:
         with _lock:
             for loop in _loops.values():

@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:
             flags.error(str(err))
         handlers.ELECTOR = Elector(handlers.api(), election, changed=handlers.wake_all)
+        handlers.METRICS.leader.set(0)  # a standby until the Lease is taken
         log.info("leader election on lease %s/%s as %s", election.namespace, election.name,
                  election.identity)  # fmt: skip
         handlers.ELECTOR.start()

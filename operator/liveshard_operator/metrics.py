@@ -62,6 +62,12 @@ class Metrics:
             "liveshard_operator_jobs", "Jobs by the phase their last pass left in their status.",
             ("phase",), registry=self.registry,
         )  # fmt: skip
+        self.leader = Gauge(
+            "liveshard_operator_leader",
+            "1 while this replica leads (holds the Lease, or runs without leader election).",
+            registry=self.registry,
+        )  # fmt: skip
+        self.leader.set(1)
         self._lock = threading.Lock()  # each job's pass runs in a thread of its own
         self._phases: dict[str, str] = {}  # job -> the phase its last pass left
         self._known: set[str] = set()  # every phase a job has been in

@@ -61,3 +61,17 @@ def test_a_standby_runs_no_pass_until_it_leads_and_a_deleted_job_stops_its_loop(
     loop.thread.join(5)
     assert not loop.thread.is_alive() and Passes.closed.is_set()
     assert handlers.loop_of("ns", "tiny") is None
+
+
+def test_the_leader_gauge_follows_the_elector() -> None:
+    def leads() -> float | None:
+        return handlers.METRICS.registry.get_sample_value("liveshard_operator_leader")
+
+    assert leads() == 1  # without leader election this replica leads
+    try:
+        handlers.wake_all(False)  # the Elector's callback: the Lease lost
+        assert leads() == 0
+        handlers.wake_all(True)  # taken
+        assert leads() == 1
+    finally:
+        handlers.METRICS.leader.set(1)
