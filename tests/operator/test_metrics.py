@@ -220,4 +220,3 @@ def test_the_command_logs_json_lines_when_told(served: list[tuple[str, int]]) ->
     assert formats().count(True) == 1
     main_module.main(["--all-namespaces"])
     assert formats().count(True) == 0
-
