@@ -52,9 +52,10 @@ def restore_prefix(epoch: int) -> str:
     return f"{_ROOT}/{epoch}/restore"
 
 
-def checkpoint_prefix(epoch: int, step: int) -> str:
-    """The prefix the members of world `epoch` meet under to save a checkpoint at `step`."""
-    return f"{_ROOT}/{epoch}/checkpoint/{step}"
+def checkpoint_prefix(epoch: int, step: int, number: int) -> str:
+    """The prefix the members of world `epoch` meet under to save checkpoint `number` at `step`
+    (each attempt its own: a failed one may have left keys behind)."""
+    return f"{_ROOT}/{epoch}/checkpoint/{step}/{number}"
 
 
 def kill(step: int, rank: int, phase: str) -> str:

@@ -302,8 +302,7 @@ class Member:
         trainer = self.trainer
         assert trainer is not None, f"{self.name} is standing by"
         start = time.perf_counter()
-        # Each attempt meets under its own prefix: a failed one may have left keys behind.
-        prefix = f"{keys.checkpoint_prefix(self.epoch, trainer.scalars.step)}/{number}"
+        prefix = keys.checkpoint_prefix(self.epoch, trainer.scalars.step, number)
         checkpoint.save(
             trainer.state, trainer.scalars, self.settings, directory, store=self.store,
             prefix=prefix, timeout=self.deadlines.prepare, hf=self.hf,
