@@ -95,7 +95,7 @@ class JobController:
             return self._invalid(body, str(err))
         token = self.executor.token()
         seen = observe(self.kube, self.namespace, self.name, token, spec.port, self.clients)
-        record = Record.from_dict(status.get("reconfiguration") or {})
+        record = Record.from_status(status)
         # The time is read once, after observing, so that every rule of the pass sees the same.
         decision = decide(seen, record, Job(body, spec, model), time.time())
         self.executor.run(decision)

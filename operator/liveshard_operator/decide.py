@@ -17,7 +17,8 @@ does one thing:
   bytes come from surviving copies), follow the replica count (new pods pre-warm as standby
   first; the pods that land together join together; a pod the scheduler cannot place holds
   nothing up and is reported missing), and start a reconfiguration when the layout or the
-  members must change;
+  members must change; with nothing else to do, rebalance the pipeline from the costs the
+  members measure (`rebalance`: a world rebalanced or packed is kept as it is);
 - a worker pod that failed before it became a member (it crashed, or its agent refused the job's
   configuration) is replaced with backoff, and the job Failed when too many fail in a row before
   it has a world (`start_failures`);
@@ -38,7 +39,7 @@ from dataclasses import replace
 from liveshard.v1 import agent_pb2 as pb
 from liveshard_core.errors import InvalidInput
 
-from . import checkpoints, policy, start_failures
+from . import checkpoints, policy, rebalance, start_failures
 from .actions import Begin, Checkpoint, DeletePod, Event, EventType, ReleaseMember
 from .decision import Decision, Draft
 from .inflight import progress
@@ -148,7 +149,7 @@ def _steady(draft: Draft, world: World) -> None:
     stayers = [m for m in members if m not in lost and m not in leaving]
     standby = [p for p in draft.seen.live() if p.standing_by and p.name not in members]
     landing = _landing(draft, set(members))
-    wanted = spec.replicas
+    wanted = rebalance.replicas(draft)  # spec.replicas, less what packing released
     draft.keep_pods(wanted, set(members))
     draft.label(set(members))
     for pod in pods.values():  # a standing-by pod that must go holds no state
@@ -179,13 +180,22 @@ def _steady(draft: Draft, world: World) -> None:
             new=World.of(0, old), store=_NO_STORE, started=draft.now, old=world,
         ))  # fmt: skip
         return
-    if choice.degrees.layout(model, new_members) == old:
+    layout = choice.degrees.layout(model, new_members)
+    if layout == old or (not urgent and rebalance.keeps(draft, old, layout)):
         if len(candidates) > choice.used:
             draft.message = (
                 f"{len(candidates) - choice.used} pod(s) stand by as hot spares: no layout "
                 f"of {model.config.name} uses {len(candidates)} members ({choice.why})"
             )
         _checkpoint_if_due(draft, world)
+        # A checkpoint asked and not saved when a switch commits is asked again (`_commit`).
+        if draft.ask is None and not _backing_off(draft):
+            move = rebalance.consider(draft, world, [p.name for p in standby])
+            if move is not None:
+                _begin(draft, InFlight(
+                    epoch=_next_epoch(draft), reason=move.reason, new=World.of(0, move.layout),
+                    store=_NO_STORE, started=draft.now, old=world,
+                ))  # fmt: skip
         return
     if _backing_off(draft) and not urgent:
         return
@@ -196,7 +206,6 @@ def _steady(draft: Draft, world: World) -> None:
         reasons.append(f"evicting {', '.join(leaving)}")
     if len(new_members) != len(members) and not urgent:
         reasons.append(f"scale {len(members)} -> {len(new_members)}")
-    layout = choice.degrees.layout(model, new_members)
     _begin(draft, InFlight(
         epoch=_next_epoch(draft), reason="; ".join(reasons) or "new layout",
         new=World.of(0, layout), store=_NO_STORE, started=draft.now, old=world, lost=tuple(lost),

@@ -17,6 +17,7 @@ from dataclasses import replace
 from liveshard.v1 import agent_pb2 as pb
 from liveshard_core.job import Result
 
+from . import rebalance
 from .actions import AbortOn, DeletePod, Event, EventType, ReleaseMember
 from .decision import Draft, prepares
 from .messages import cause_of, result_of
@@ -101,6 +102,7 @@ def _commit(draft: Draft, plan: InFlight, agents: dict[str, pb.AgentStatus], spe
                            retry_after=0.0,
                            checkpoint_asked=min(draft.record.checkpoint_asked, saved))  # fmt: skip
     draft.last = last
+    rebalance.committed(draft, plan)
     draft.after.append(Event(EventType.NORMAL, "Reconfigured",
                              f"epoch {plan.epoch} committed: {last.old or 'nothing'} -> "
                              f"{last.new} ({plan.reason}); pause {last.pause_seconds} s, "
@@ -108,7 +110,7 @@ def _commit(draft: Draft, plan: InFlight, agents: dict[str, pb.AgentStatus], spe
     members = set(plan.new.members)
     draft.label(members)
     left = [m for m in (plan.old.members if plan.old else ()) if m not in members]
-    wanted = draft.job.spec.replicas
+    wanted = rebalance.replicas(draft)  # a pack's members are released as in a scale-down
     for member in left:
         pod = draft.seen.pods.get(member)
         draft.after.append(ReleaseMember(member))

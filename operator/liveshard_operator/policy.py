@@ -40,11 +40,15 @@ def constraints(job: JobSpec) -> Constraints:
     )  # fmt: skip
 
 
+def hardware(job: JobSpec) -> Hardware:
+    """The devices and links the job's layouts are costed on."""
+    return CPU if job.device == "cpu" else Hardware()
+
+
 def choose(spec: ModelSpec, job: JobSpec, members: int) -> Choice:
     """The layout for at most `members` members (InvalidInput naming the constraint when none
     fits)."""
-    hardware = CPU if job.device == "cpu" else Hardware()
-    choice = choose_layout(spec, members, constraints(job), hardware)
+    choice = choose_layout(spec, members, constraints(job), hardware(job))
     return Choice(choice.degrees, choice.degrees.world_size, "; ".join(choice.why))
 
 

@@ -1,8 +1,10 @@
 """The job's status as one pass leaves it, computed in memory from what the pass saw and decided:
 the world in effect, how many members train, the phase and conditions, the last reconfiguration's
 summary, the record the next pass reads (`status.reconfiguration`), the last checkpoint saved and
-the last that failed (`checkpoints`), and the job's progress (`status.progress`: a bounded series
-of its step, loss and tokens per second, which `liveshard timeline --job` draws). The executor
+the last that failed (`checkpoints`), the job's progress (`status.progress`: a bounded series
+of its step, loss and tokens per second, which `liveshard timeline --job` draws), and its
+pipeline's measured imbalance with what rebalancing remembers (`status.imbalance`,
+`status.rebalance`, `status.released`). The executor
 writes it as one merge patch: a key the patch leaves out (the history, the progress) keeps what
 the last write gave it.
 
@@ -158,7 +160,23 @@ def status(
         conds.set("Degraded", False, "AsPlanned", message)
     out.update(phase=phase, conditions=conds.items, reconfiguration=record.to_dict())
     out.update(checkpoints.status(job, seen, now))
+    out.update(record.rebalance.to_status())
+    costs = measured(seen, world) if world is not None else None
+    out["imbalance"] = round(costs.imbalance, 4) if costs is not None else None
     return out
+
+
+def measured(seen: Observation, world: World) -> pb.Costs | None:
+    """The job's compute costs as the world's members measure them (every member reports the
+    same job-wide values: the first's, rank 0, or else any member's that trains in the world's
+    epoch), or None before a step of this world was measured."""
+    for member in world.members:
+        pod = seen.pods.get(member)
+        agent = pod.agent if pod is not None else None
+        if (agent is not None and agent.epoch == world.epoch and trains_in(agent, world.epoch)
+                and agent.HasField("costs") and agent.costs.steps > 0):  # fmt: skip
+            return agent.costs
+    return None
 
 
 def _history(job: Job, out: dict[str, Any], now: float) -> list[dict[str, Any]]:

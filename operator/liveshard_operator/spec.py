@@ -7,9 +7,10 @@ and what would be valid; the controller reports it as a condition, never as a cr
 
 What every agent of the job shares is one `liveshard_core.job.JobConfig`, built here from the CRD
 once (`spec.training.<camelCase>` is the settings field of that name, and
-`spec.parallelism.pipelineSchedule` the pipeline schedule's: `TrainingSettings.from_crd`) and sent
-to the agents as its own JSON; the rest is the operator's: replicas, parallelism constraints,
-checkpoints, the pod template.
+`spec.parallelism.pipelineSchedule` the pipeline schedule's: `TrainingSettings.from_crd`;
+`spec.rebalance` is `RebalanceSettings`, of which the agents read only the window they measure
+over) and sent to the agents as its own JSON; the rest is the operator's: replicas, parallelism
+constraints, checkpoints, the pod template.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 from liveshard_core.errors import InvalidInput
 from liveshard_core.job import DEFAULT_BUDGET, DEFAULT_PORT, Deadlines, JobConfig, TrainingSettings
 from liveshard_core.job.config import model_config
+from liveshard_core.job.rebalance import RebalanceSettings
 from liveshard_core.layout.layout import Degrees
 from liveshard_core.vps.spec import ModelSpec
 
@@ -105,6 +107,9 @@ class JobSpec:
             budget_bytes=parse_quantity(
                 reconf.get("memoryBudget", DEFAULT_BUDGET), "spec.reconfiguration.memoryBudget"
             ),
+            rebalance=RebalanceSettings.from_dict(
+                spec.get("rebalance") or {}, "spec.rebalance", crd=True
+            ),
         )
         job = cls(
             replicas=int(spec.get("replicas", 0)),
@@ -155,6 +160,20 @@ class JobSpec:
     @property
     def budget_bytes(self) -> int:
         return self.config.budget_bytes
+
+    @property
+    def rebalance(self) -> RebalanceSettings:
+        return self.config.rebalance
+
+    def memory_limit(self) -> int | None:
+        """The agent container's memory limit in the pod template, in bytes (None: none, or one
+        written in a form `parse_quantity` does not read)."""
+        containers = (self.template.get("spec") or {}).get("containers") or [{}]
+        limit = ((containers[0].get("resources") or {}).get("limits") or {}).get("memory")
+        try:
+            return None if limit is None else parse_quantity(limit, "memory limit")
+        except InvalidInput:
+            return None
 
     def _check_fixed_degrees(self) -> None:
         """A fixed tp, pp or ep the model cannot take is reported now, not at a switch."""

@@ -2,16 +2,18 @@
 effect, the reconfiguration in flight, and what the next pass must remember (the epochs used, the
 aborts in a row and their backoff, a restore owed, members silent since when, the last checkpoint
 asked for, the worker pods that failed to start and when the next may be created), so that a
-restarted operator knows all of it.
+restarted operator knows all of it. What live rebalancing remembers (`Rebalancing`) is kept beside
+it, in `status.rebalance` and `status.released`.
 
-Values only: `Record.from_dict` reads what a pass finds in status, `Record.to_dict` is what the
-pass writes back (a merge patch: every field, None for what is no longer there).
+Values only: `Record.from_status` reads what a pass finds in status (`Record.from_dict` its
+`status.reconfiguration`), `Record.to_dict` is what the pass writes back there (a merge patch:
+every field, None for what is no longer there) and `Rebalancing.to_status` the rest.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from liveshard_core.layout.layout import Degrees, Layout
@@ -144,9 +146,53 @@ class StartFailures:
         )  # fmt: skip
 
 
+LEFT = 8  # partitions kept in status.rebalance.left, the latest last
+
+
+@dataclass(frozen=True)
+class Rebalancing:
+    """What live rebalancing (`rebalance`) remembers across passes: the pipeline partitions the
+    job left by rebalancing, packing or growing (a return to one of them needs twice the
+    threshold); the members packing released that no grow took back (the job runs on
+    `replicas - len(released)` members), and the spec.replicas they were released under (a
+    change of it ends the packing); the partition a grow waits to switch to while its pods
+    pre-warm."""
+
+    left: tuple[tuple[int, ...], ...] = ()
+    released: tuple[str, ...] = ()
+    replicas: int = 0  # spec.replicas when the job packed (0: not packed)
+    grow: tuple[int, ...] = ()  # the pp_layers a grow switches to once its pods are ready
+
+    @property
+    def packed(self) -> bool:
+        return bool(self.released)
+
+    def leaving(self, pp_layers: tuple[int, ...]) -> Rebalancing:
+        """With `pp_layers` added to the partitions left (the last LEFT kept)."""
+        left = tuple(p for p in self.left if p != pp_layers)
+        return replace(self, left=(*left, pp_layers)[-LEFT:])
+
+    def to_status(self) -> dict[str, Any]:
+        """`status.rebalance` and `status.released` (a merge patch: None removes)."""
+        state = {"left": [list(p) for p in self.left], "replicas": self.replicas or None,
+                 "grow": list(self.grow) or None}  # fmt: skip
+        return {"rebalance": state if self != Rebalancing() else None,
+                "released": list(self.released) or None}  # fmt: skip
+
+    @classmethod
+    def from_status(cls, status: Mapping[str, Any]) -> Rebalancing:
+        state = status.get("rebalance") or {}
+        return cls(
+            left=tuple(tuple(int(n) for n in p) for p in state.get("left") or ()),
+            released=tuple(str(m) for m in status.get("released") or ()),
+            replicas=int(state.get("replicas") or 0),
+            grow=tuple(int(n) for n in state.get("grow") or ()),
+        )
+
+
 @dataclass(frozen=True)
 class Record:
-    """What one pass leaves the next one (`status.reconfiguration`)."""
+    """What one pass leaves the next one (`status.reconfiguration`; `rebalance` beside it)."""
 
     world: World | None = None  # None: no world has committed yet
     in_flight: InFlight | None = None
@@ -158,6 +204,13 @@ class Record:
     checkpoint_asked: int = 0  # the number of the last checkpoint every member was asked for
     suspended: Suspension | None = None  # the job is (being) suspended, or resumes from this
     start_failures: StartFailures = field(default_factory=StartFailures)
+    rebalance: Rebalancing = field(default_factory=Rebalancing)  # status.rebalance, .released
+
+    @classmethod
+    def from_status(cls, status: Mapping[str, Any]) -> Record:
+        """The record a pass finds in the job's status."""
+        record = cls.from_dict(status.get("reconfiguration") or {})
+        return replace(record, rebalance=Rebalancing.from_status(status))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Record:

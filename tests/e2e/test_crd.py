@@ -212,6 +212,11 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
     ),
     ("dropout of 1", {"spec.training.dropout": 1}, ["spec.training.dropout", "less than 1"]),
     ("lr of 0", {"spec.training.lr": 0}, ["spec.training.lr", "greater than 0"]),
+    (
+        "freeze entry without layers",
+        {"spec.training.freeze": [{"step": 3}]},
+        ["spec.training.freeze[0].layers: Required value"],
+    ),
     ("tp of 0", {"spec.parallelism.tp": 0}, ["spec.parallelism.tp", "greater than or equal to 1"]),
     (
         "zero stage 2",
@@ -425,6 +430,10 @@ def test_fields_fixed_for_a_jobs_life_stay_fixed(jobs: Kube) -> None:
         ({"training": {"data": "/data/other.bin"}}, "only spec.training.steps may change"),
         ({"training": {"minLr": 0.0001}}, "only spec.training.steps may change"),
         ({"training": {"weightDecay": 0.0}}, "only spec.training.steps may change"),
+        (
+            {"training": {"freeze": [{"step": 5, "layers": 1}]}},
+            "only spec.training.steps may change",
+        ),
         ({"port": 7071}, "spec.port is immutable"),
         ({"device": "cuda"}, "spec.device is immutable"),
         (

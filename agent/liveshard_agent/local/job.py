@@ -17,6 +17,7 @@ import torch
 
 from liveshard_core.errors import InvalidInput
 from liveshard_core.job import DEFAULT_BUDGET, Deadlines, JobConfig, TrainingSettings
+from liveshard_core.job.rebalance import RebalanceSettings
 from liveshard_core.layout.layout import Degrees, parse_degrees
 from liveshard_core.vps.presets import resolve_model
 from liveshard_core.vps.spec import ModelSpec
@@ -56,6 +57,7 @@ def local_config(
     precision: str | None = None,
     budget: int = DEFAULT_BUDGET,
     init: str | None = None,
+    rebalance: RebalanceSettings | None = None,
 ) -> JobConfig:
     """A local job's configuration: `model` a Hugging Face model directory, a preset name or a
     JSON/YAML model file."""
@@ -63,7 +65,7 @@ def local_config(
     return JobConfig(
         model=resolve_model(model).config, precision=precision, device=device,
         training=settings, deadlines=LOCAL_DEADLINES, budget_bytes=budget,
-        model_path=directory, init=init,
+        model_path=directory, init=init, rebalance=rebalance or RebalanceSettings(),
     )  # fmt: skip
 
 

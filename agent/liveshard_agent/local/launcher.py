@@ -45,12 +45,17 @@ from typing import Any, cast
 import torch
 from torch.distributed import TCPStore
 
+from liveshard_core.assign.assign import best_assignment
 from liveshard_core.cli import parse_bytes
 from liveshard_core.errors import InvalidInput
 from liveshard_core.job import Cause
 from liveshard_core.job.flags import add_training_flags, training_from_flags
+from liveshard_core.job.rebalance import RebalanceSettings
 from liveshard_core.layout.layout import Degrees, Layout, parse_degrees
+from liveshard_core.plan.predict import predicted_pause
 from liveshard_core.plan.union import union_members
+from liveshard_core.policy.model import state_bytes_per_layer
+from liveshard_core.policy.rebalance import GROW, PACK, REBALANCE, CostWindow, propose
 
 from ..data.builtin import PRESET
 from ..engine.vote import Failure, settle
@@ -85,6 +90,7 @@ __all__ = [
 ]
 
 HOST = "127.0.0.1"
+LOCAL_BANDWIDTH = 1e9  # bytes per second between local processes, for the dry run
 
 
 # ---- the driver ----
@@ -120,6 +126,12 @@ class Driver:
         self.scripted: ScriptedSwitch | None = None  # the pending change's, if scripted
         self.lost: set[str] = set()  # members of the layout in effect whose process died
         self.broke: dict[str, float] = {}  # members whose world broke: when they said so
+        self.trigger: Line = {}  # what asked for the pending change, for its switch line
+        self.rebalance = job.config.rebalance
+        self.window = CostWindow(self.rebalance.window_steps)  # in the layout in effect
+        self.left: list[tuple[int, ...]] = []  # partitions a rebalance left
+        self.max_stages = job.layout.pp  # the stages packing may grow back to
+        self.pause = 0.0  # the longest pause measured so far
 
     def _spawn(self, name: str) -> None:
         parent, child = self.ctx.Pipe()
@@ -165,13 +177,19 @@ class Driver:
         for name in members:
             if name not in self.processes:
                 self._spawn(name)  # pre-warm: it starts while the job trains
+        self._request(
+            switch.degrees.layout(self.spec, members), switch.step, {"trigger": "scripted"}
+        )
+
+    def _request(self, new: Layout, at_step: int, trigger: Line) -> None:
+        """Send the change to `new` to every member of the layout in effect and of `new`."""
+        assert self.layout is not None
         self.epoch += 1
         change = Change(
-            epoch=self.epoch, old=self.layout, new=switch.degrees.layout(self.spec, members),
-            at_step=switch.step, budget=self.job.budget,
-        )  # fmt: skip
-        self.pending = change
-        for name in dict.fromkeys(current + members):
+            epoch=self.epoch, old=self.layout, new=new, at_step=at_step, budget=self.job.budget
+        )
+        self.pending, self.trigger = change, trigger
+        for name in dict.fromkeys(self.layout.members + new.members):
             self.processes[name].conn.send(Prepare(change, self.address))
 
     def _loop(self) -> None:
@@ -213,6 +231,7 @@ class Driver:
             case Stepped(speaks=speaks, record=record):
                 if speaks:
                     self.emit(output.step_line(message, self.job.settings.tokens_per_step))
+                    self._measured(message)
                 if self.job.record_samples and record.samples:
                     self.emit(output.samples_line(message))
             case Checkpointed() | CheckpointFailed():
@@ -272,7 +291,7 @@ class Driver:
             new=dataclasses.replace(self.layout, members=tuple(members)), at_step=0,
             lost=frozenset(self.lost), budget=self.job.budget,
         )  # fmt: skip
-        self.pending, self.scripted = change, None
+        self.pending, self.scripted, self.trigger = change, None, {"trigger": "recovery"}
         for name in dict.fromkeys(self.layout.members + change.new.members):
             if name in self.processes:
                 with contextlib.suppress(BrokenPipeError, OSError):  # dead too: seen next
@@ -289,7 +308,12 @@ class Driver:
         assert self.layout is not None
         left = [m for m in change.old.members if m not in change.new.ranks]
         self.standby += [m for m in left if m not in change.lost]
+        if self.trigger.get("trigger") in (REBALANCE, PACK, GROW):
+            self.left = [change.old.pp_layers, *self.left][:8]
+        elif not change.lost:
+            self.max_stages = change.new.pp
         self.layout = change.new
+        self.window.clear()
         self.lost.clear()
         self.broke.clear()
         self.pending, self.scripted = None, None
@@ -328,7 +352,7 @@ class Driver:
         if not event.committed and event.cause is Cause.PEER_FAILED:
             # A member died or a transfer failed: try again later (after the recovery, when a
             # member of the layout in effect died: its loss is seen next).
-            self.emit(output.switch_line(event))
+            self.emit({**output.switch_line(event), **self.trigger})
             self._postpone()
             if not self.lost:
                 self._request_next()
@@ -338,13 +362,77 @@ class Driver:
     def _switched(self, event: Switched) -> None:
         change = self.pending
         assert change is not None and self.layout is not None
-        self.emit(output.switch_line(event))
+        self.emit({**output.switch_line(event), **self.trigger})
+        self.pause = max(self.pause, event.pause_seconds)
         if event.committed:
             self._adopt(change)
         else:
             joined = [m for m in change.new.members if m not in change.old.ranks]
             self.standby += joined
         self._request_next()
+
+    # ---- live rebalancing ----
+
+    def _measured(self, event: Stepped) -> None:
+        """Rebalance the pipeline (`policy.rebalance`) when the costs measured in the layout in
+        effect call for it and no other change is pending."""
+        layout, record = self.layout, event.record
+        if not self.rebalance.enabled or layout is None or event.layout != layout.describe():
+            return
+        self.window.add(record.costs)
+        costs = self.window.median()
+        if self.pending or self.lost or not self.window.full or costs is None:
+            return
+        if record.step + 2 >= self.job.settings.steps:
+            return  # no step left to win back a pause
+        proposal = propose(
+            self.rebalance, costs, layout.pp_layers,
+            self.job.settings.micro_batches(layout.dp), self._predicted_pause,
+            max_stages=self.max_stages, left=self.left,
+            memory=state_bytes_per_layer(self.spec, layout), memory_cap=self._memory_cap(),
+        )  # fmt: skip
+        if proposal is None:
+            return
+        degrees = Degrees(layout.dp, layout.tp, len(proposal.pp_layers), layout.ep, layout.zero,
+                          proposal.pp_layers)  # fmt: skip
+        new = self._placed(degrees)
+        released = [m for m in layout.members if m not in new.ranks]  # stand by after it
+        self._request(new, record.step + 1, {
+            "trigger": proposal.kind, "released": released,
+            "predicted_step_seconds": [round(proposal.step_seconds_before, 6),
+                                       round(proposal.step_seconds_after, 6)],
+            "predicted_pause_seconds": round(proposal.pause_seconds, 6),
+            "imbalance": [round(proposal.imbalance_before, 4), round(proposal.imbalance_after, 4)],
+        })  # fmt: skip
+
+    def _placed(self, degrees: Degrees) -> Layout:
+        """`degrees` laid out on the members that hold most of what their new ranks need (the
+        others stand by; a missing member is one standing by, or a new process)."""
+        assert self.layout is not None
+        old = self.layout
+        draft = degrees.layout(self.spec, [str(i) for i in range(degrees.world_size)])
+        joiners = max(0, degrees.world_size - old.world_size)
+        chosen = best_assignment(self.spec, old, draft, range(old.world_size), joiners)
+        members = [old.members[m] if m is not None else self._standing_by()
+                   for m in chosen.members_to]  # fmt: skip
+        return degrees.layout(self.spec, members)
+
+    def _predicted_pause(self, pp_layers: tuple[int, ...]) -> float:
+        """The dry run's pause over local links, at least the longest pause measured so far."""
+        assert self.layout is not None
+        old = self.layout
+        degrees = Degrees(old.dp, old.tp, len(pp_layers), old.ep, old.zero, pp_layers)
+        new = degrees.layout(self.spec, [str(i) for i in range(degrees.world_size)])
+        old = dataclasses.replace(old, members=tuple(str(i) for i in range(old.world_size)))
+        predicted = predicted_pause(self.spec, old, new, self.job.budget, LOCAL_BANDWIDTH)
+        return max(predicted, self.pause)
+
+    def _memory_cap(self) -> int | None:
+        """Bytes of training state a member may hold: half a GPU's memory (the rest is for
+        activations); none on CPU."""
+        if self.job.device != "cuda":
+            return None
+        return torch.cuda.get_device_properties(0).total_memory // 2
 
     def close(self) -> None:
         for process in self.processes.values():
@@ -406,6 +494,28 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume", metavar="DIR",
                         help="start from a checkpoint (saved in any layout)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="JSON lines even on a terminal")
+    rebalance = parser.add_argument_group("live rebalancing")
+    rebalance.add_argument(
+        "--rebalance",
+        action="store_true",
+        help="repartition the pipeline live from the layers' measured costs",
+    )
+    rebalance.add_argument(
+        "--rebalance-threshold",
+        type=float,
+        default=RebalanceSettings.threshold,
+        help="switch when the predicted step time drops by more than this "
+        "share (default %(default)s)",
+    )
+    rebalance.add_argument(
+        "--rebalance-window",
+        type=int,
+        default=RebalanceSettings.window_steps,
+        help="steps of costs a decision reads, their median (default %(default)s)",
+    )
+    rebalance.add_argument("--pack", action="store_true",
+                           help="with --rebalance: use fewer pipeline stages when the work fits "
+                                "(their members stand by), more again when it grows")  # fmt: skip
     add_training_flags(parser, defaults={"steps": 60})
     return parser
 
@@ -416,6 +526,8 @@ def job_from_args(args: argparse.Namespace) -> LocalJob:
     config = local_config(
         args.model, training_from_flags(args), device=device, precision=args.precision,
         budget=parse_bytes(args.budget), init=args.init,
+        rebalance=RebalanceSettings(args.rebalance or args.pack, args.rebalance_threshold,
+                                    args.rebalance_window, args.pack),
     )  # fmt: skip
     return LocalJob(
         config=config, nprocs=args.nprocs, layout=layout,

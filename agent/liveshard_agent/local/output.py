@@ -15,6 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 from liveshard_core.job import Result
+from liveshard_core.policy.pipeline import evaluate
+from liveshard_core.policy.rebalance import StepCosts, imbalance, layer_costs
 
 from ..runtime.events import Broke, Checkpointed, CheckpointFailed, Stepped, Switched
 
@@ -28,6 +30,21 @@ def step_line(event: Stepped, tokens: int) -> Line:
         "event": "step", "step": record.step, "loss": record.loss, "layout": event.layout,
         "epoch": event.epoch, "step_seconds": round(record.seconds, 6), "tokens": tokens,
         "aux_loss": record.aux_loss, "grad_norm": record.grad_norm, "lr": record.lr,
+        **costs_fields(record.costs, event.pp_layers),
+    }  # fmt: skip
+
+
+def costs_fields(costs: StepCosts, pp_layers: tuple[int, ...]) -> Line:
+    """A step's measured compute seconds: per pipeline stage and per layer (with the embedding's
+    and the head's), and the stages' imbalance (the slowest over the mean)."""
+    if not costs.layers or not pp_layers:
+        return {}
+    stages = evaluate(layer_costs(costs, None), pp_layers).stage_seconds
+    return {
+        "stage_seconds": [round(s, 6) for s in stages],
+        "imbalance": round(imbalance(costs, pp_layers), 4),
+        "layer_seconds": [round(s, 6) for s in costs.layers],
+        "first_seconds": round(costs.first, 6), "last_seconds": round(costs.last, 6),
     }  # fmt: skip
 
 

@@ -30,6 +30,7 @@ class Stepped:
     layout: str
     speaks: bool
     record: StepRecord
+    pp_layers: tuple[int, ...] = ()  # the layers of each pipeline stage of that world
 
 
 @dataclass(frozen=True)

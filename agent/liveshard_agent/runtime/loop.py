@@ -169,7 +169,7 @@ def _train_step(member: Member, report: Report) -> None:
     layout, epoch = member.layout, member.epoch
     assert layout is not None
     record = member.train_step()
-    report(Stepped(member.name, epoch, layout.describe(), member.speaks, record))
+    report(Stepped(member.name, epoch, layout.describe(), member.speaks, record, layout.pp_layers))
     for event in member.at_boundary():
         report(event)
 

@@ -9,7 +9,9 @@ parallelism is Megatron's: column-parallel q, k, v (each part of a fused qkv spl
 gate and up; row-parallel o and down; a vocabulary-parallel embedding and cross-entropy.
 Activations between layers are replicated across tp. Dropout, when on, masks each residual
 branch's output with counter-based randomness keyed by (seed, step, sample, layer, position,
-feature), so the mask of a sample does not depend on the layout.
+feature), so the mask of a sample does not depend on the layout. The layers frozen at a step
+(`TrainingSettings.freeze`) compute with detached weights, and so does the input embedding's
+lookup once any layer is frozen: no gradient reaches them and autograd saves nothing for them.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from liveshard_core.vps.spec import ModelSpec, TransformerConfig
 from ..engine.backend import Group
 from ..engine.world import Axis
 from . import comm, rng
+from .costs import LayerClock
 from .data import Batch
 from .moe import moe_forward
 from .weights import Weights
@@ -92,6 +95,8 @@ class StageModel:
         start = sum(layout.pp_layers[:pp_i])
         self.layers = range(start, start + layout.pp_layers[pp_i])
         self.dropout_key = rng.key("dropout", settings.seed)
+        self.frozen = 0  # the first layers frozen at the step of the running forward
+        self.clock = LayerClock(self.layers, self.first, self.last, weights.state.device)
 
     @property
     def tp(self) -> Group:
@@ -108,32 +113,48 @@ class StageModel:
         return angles.cos().to(device), angles.sin().to(device)
 
     def forward(self, batch: Batch, hidden: torch.Tensor | None, step: int) -> Output:
+        """The stage's forward of one micro-batch, its layers timed by `clock`."""
+        self.frozen = self.settings.frozen_layers(step)
+        clock = self.clock
+        clock.begin()
         if self.first:
             x = self._embed(batch.inputs)
         else:
             assert hidden is not None
             x = hidden
         aux = torch.zeros((), device=x.device)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            x = clock.boundary(x, i)
             x = x + self._dropout(self._attention(layer, x), batch, step, 2 * layer)
             mlp, layer_aux = self._mlp(layer, x)
             aux = aux + layer_aux
             x = x + self._dropout(mlp, batch, step, 2 * layer + 1)
-        if not self.last:
-            return Output(hidden=x, aux=aux)
-        return Output(loss_sum=self._loss(x, batch.targets), aux=aux)
+        x = clock.boundary(x, len(self.layers))
+        out = Output(hidden=x, aux=aux)
+        if self.last:
+            out = Output(loss_sum=self._loss(x, batch.targets), aux=aux)
+        clock.end()
+        return out
 
     # ---- pieces ----
 
-    def _w(self, name: str) -> list[torch.Tensor]:
-        return self.weights[name].tensors
+    def tensors(self, name: str) -> list[torch.Tensor]:
+        """What the stage computes with for weight `name`: its tensors, detached where its layer
+        is frozen in this forward (no gradient reaches them)."""
+        weight = self.weights[name]
+        layer = weight.param.layer
+        if layer is not None and layer < self.frozen:
+            return [t.detach() for t in weight.tensors]
+        return weight.tensors
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         weight = self.weights["embed"]
         (start, stop), _ = weight.boxes[0]
         local = tokens - start
         mine = (local >= 0) & (local < stop - start)
-        x = F.embedding(local.clamp(0, stop - start - 1), weight.tensors[0]) * mine.unsqueeze(-1)
+        # The input embedding freezes with the first layer; tied, it still trains through the head.
+        table = weight.tensors[0].detach() if self.frozen >= 1 else weight.tensors[0]
+        x = F.embedding(local.clamp(0, stop - start - 1), table) * mine.unsqueeze(-1)
         return comm.reduce_from(x, self.tp)
 
     def _attention(self, layer: int, x: torch.Tensor) -> torch.Tensor:
@@ -151,24 +172,24 @@ class StageModel:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         out = out.transpose(1, 2).reshape(batch, seq, -1)
-        out = comm.reduce_from(out @ self._w(prefix + "o")[0].T, self.tp)
-        return out + self._w(prefix + "o_bias")[0] if self.cfg.o_bias else out
+        out = comm.reduce_from(out @ self.tensors(prefix + "o")[0].T, self.tp)
+        return out + self.tensors(prefix + "o_bias")[0] if self.cfg.o_bias else out
 
     def _qkv(self, prefix: str, h: torch.Tensor) -> list[torch.Tensor]:
         """This rank's q, k and v projections of `h`, biased where the model has biases."""
         if self.cfg.fused_qkv:
-            weights = self._w(prefix + "qkv")
-            biases = self._w(prefix + "qkv_bias") if self.cfg.qkv_bias else None
+            weights = self.tensors(prefix + "qkv")
+            biases = self.tensors(prefix + "qkv_bias") if self.cfg.qkv_bias else None
         else:
-            weights = [self._w(prefix + n)[0] for n in ("q", "k", "v")]
-            biases = ([self._w(prefix + n)[0] for n in ("q_bias", "k_bias", "v_bias")]
+            weights = [self.tensors(prefix + n)[0] for n in ("q", "k", "v")]
+            biases = ([self.tensors(prefix + n)[0] for n in ("q_bias", "k_bias", "v_bias")]
                       if self.cfg.qkv_bias else None)  # fmt: skip
         if biases is None:
             return [h @ w.T for w in weights]
         return [h @ w.T + b for w, b in zip(weights, biases, strict=True)]
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return rms_norm(x, self._w(name)[0], self.cfg.norm_eps)
+        return rms_norm(x, self.tensors(name)[0], self.cfg.norm_eps)
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
         """Rotary positions on [batch, seq, heads, head_dim]: Hugging Face's rotate-half."""
@@ -189,11 +210,11 @@ class StageModel:
     def swiglu(self, prefix: str, h: torch.Tensor) -> torch.Tensor:
         """A SwiGLU MLP (dense, or one expert) on input `h` already copied to the tp group."""
         if self.cfg.fused_gate_up:
-            gate, up = self._w(prefix + "gate_up")
+            gate, up = self.tensors(prefix + "gate_up")
         else:
-            (gate,), (up,) = self._w(prefix + "gate"), self._w(prefix + "up")
+            (gate,), (up,) = self.tensors(prefix + "gate"), self.tensors(prefix + "up")
         inner = F.silu(h @ gate.T) * (h @ up.T)
-        return comm.reduce_from(inner @ self._w(prefix + "down")[0].T, self.tp)
+        return comm.reduce_from(inner @ self.tensors(prefix + "down")[0].T, self.tp)
 
     def _dropout(self, x: torch.Tensor, batch: Batch, step: int, layer: int) -> torch.Tensor:
         p = self.settings.dropout

@@ -28,7 +28,7 @@ def moe_forward(
     cfg, weights = model.cfg, model.weights
     prefix = f"layers.{layer}.mlp."
     tokens = h.reshape(-1, h.shape[-1])
-    router = weights[prefix + "router"].tensors[0]
+    (router,) = model.tensors(prefix + "router")
     probs = torch.softmax((tokens @ router.T).float(), dim=-1)
     top_probs, top_experts = probs.topk(cfg.top_k, dim=-1)
     if cfg.norm_topk_prob:

@@ -9,6 +9,8 @@ element is counted once across all axes. Adam then updates this rank's shard of 
 (the master copy, or the fp32 parameter itself when the model has no master), and the parameter
 rows of the shards are shared with the replicas (ZeRO-1) or left sharded for the next gather
 (ZeRO-3). Losses are normalised by the global token count, so gradients are sums, never dp means.
+A weight frozen at the step (`TrainingSettings.frozen`) got no gradient (zeros: the norm is the
+trained weights') and takes no update: its value, master and moments stay bit for bit.
 
 The global norm's all-reduce also carries the step's other sums (`totals`: the loss, the members'
 agreement), so it is the step's last collective before the state changes: a step that fails
@@ -118,7 +120,8 @@ class Optimizer:
         scale = min(1.0, self.settings.clip_norm / (norm + 1e-6))
         lr = self.settings.learning_rate(step)
         for w in self.weights.all():
-            self._adam(w, grads[w.name], scale, lr, adam_step)
+            if not self.settings.frozen(step, w.param):  # a frozen weight keeps its state
+                self._adam(w, grads[w.name], scale, lr, adam_step)
         if self.weights.layout.zero in (1, 2):
             self.weights.sync_from_shards()
         self.updating = False

@@ -15,6 +15,11 @@ The loss of a micro-batch is its tokens' cross-entropy sum divided by the global
 count, plus its MoE auxiliary loss divided by the number of micro-batches in the global batch:
 summed over micro-batches and replicas it is the global batch's mean loss, whatever the
 data-parallel degree.
+
+Where every layer before a stage's is frozen at the step (`TrainingSettings.freeze`), no gradient
+flows back to its input: it asks for none, and sends the previous stage zeros where the schedule
+sends an input gradient, so the messages are those of any step; a stage whose output needs no
+gradient runs no backward.
 """
 
 from __future__ import annotations
@@ -24,9 +29,12 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed import Work
 
+from liveshard_core.policy.rebalance import StepCosts
+
 from ..engine import backend
 from ..engine.backend import Group
 from ..engine.world import Axis
+from .costs import job_share
 from .data import Dataset
 from .model import StageModel
 from .optimizer import Optimizer, UpdateStats
@@ -42,6 +50,7 @@ class StepStats:
     update: UpdateStats
     samples: tuple[int, ...]  # the samples this rank fed in (first stage, tp rank 0), else ()
     agreement: tuple[float, ...]  # the `agreement` values, summed over the world
+    costs: StepCosts  # the step's compute seconds, job-wide (`costs`)
 
 
 def train_step(
@@ -88,14 +97,18 @@ def train_step(
         stage.ce_sum if model.last and tp_i == 0 else 0.0,
         stage.aux_sum if tp_i == 0 else 0.0,
     )
-    update = optimizer.step(step, adam_step, (*totals, *agreement))
+    # So are the step's measured costs: each rank adds its layers' share.
+    share = job_share(model.clock.collect(), model.cfg.layers, layout.world_size // layout.pp)
+    update = optimizer.step(step, adam_step, (*totals, *agreement, *share))
     total_micro = settings.global_batch // settings.micro_batch
+    summed = update.totals[2:]
     return StepStats(
         loss=update.totals[0] / settings.tokens_per_step,
         aux_loss=update.totals[1] / total_micro,
         update=update,
         samples=tuple(stage.fed),
-        agreement=update.totals[2:],
+        agreement=summed[: len(agreement)],
+        costs=StepCosts.from_vector(summed[len(agreement) :]),
     )
 
 
@@ -128,6 +141,10 @@ class _Stage:
         self.dtype = weights.all()[0].tensors[0].dtype
         self.shape = (settings.micro_batch, settings.seq_len, self.model.cfg.hidden)
         self.aux_scale = settings.aux_loss_coef / (settings.global_batch // settings.micro_batch)
+        # Where every layer before this stage's is frozen (the input embedding with them), no
+        # gradient flows back to the stage's input: it asks for none.
+        frozen = settings.frozen_layers(self.step)
+        self.input_grad = frozen == 0 or frozen < self.model.layers.start
 
     @property
     def pp(self) -> Group:
@@ -175,7 +192,7 @@ class _Stage:
         )
         if self.feeds:
             self.fed += batch.samples.tolist()
-        if hidden is not None:
+        if hidden is not None and self.input_grad:
             hidden.requires_grad_(True)
         out = model.forward(batch, hidden, self.step)
         aux = out.aux if out.aux is not None else torch.zeros((), device=self.device)
@@ -193,18 +210,29 @@ class _Stage:
 
     def backward(self, m: int, grad: torch.Tensor | None) -> None:
         hidden, output, aux_term = self.saved.pop(m)
+        self.model.clock.backward_begin()
         if self.model.last:
             torch.autograd.backward([output])  # the loss, its own aux term included
         else:
             assert grad is not None
-            outputs, grads = [output], [grad]
-            if aux_term.requires_grad:  # MoE layers on this stage
+            outputs: list[torch.Tensor] = []
+            grads: list[torch.Tensor] = []
+            if output.requires_grad:  # not where every layer up to here is frozen
+                outputs.append(output)
+                grads.append(grad)
+            if aux_term.requires_grad:  # MoE layers on this stage that train
                 outputs.append(aux_term)
                 grads.append(torch.ones_like(aux_term))
-            torch.autograd.backward(outputs, grads)
+            if outputs:
+                torch.autograd.backward(outputs, grads)
+        self.model.clock.backward_end()
         if hidden is not None:
-            assert hidden.grad is not None
-            self.outbox[(Pass.BACKWARD, m)] = hidden.grad.contiguous()
+            # The schedule sends the previous stage an input gradient: zeros where none flows.
+            if not hidden.requires_grad:
+                self.outbox[(Pass.BACKWARD, m)] = torch.zeros_like(hidden)
+            else:
+                assert hidden.grad is not None
+                self.outbox[(Pass.BACKWARD, m)] = hidden.grad.contiguous()
 
     @staticmethod
     def _settle(sends: dict[int, Work], peer: Order, reached: tuple[Pass, int]) -> None:

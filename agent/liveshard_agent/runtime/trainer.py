@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -18,6 +18,7 @@ import torch
 from liveshard_core.errors import InvalidInput
 from liveshard_core.job import TrainingSettings
 from liveshard_core.layout.layout import Layout
+from liveshard_core.policy.rebalance import StepCosts
 from liveshard_core.vps.spec import ModelSpec, Param, StateKind
 
 from ..engine.state import ShardedState, flat_index
@@ -96,6 +97,7 @@ class StepRecord:
     seconds: float
     samples: tuple[int, ...]  # the samples this rank fed in (first stage, tp rank 0), else ()
     agreement: tuple[float, ...]  # the step's agreement values summed over the world
+    costs: StepCosts = field(default_factory=lambda: StepCosts(()))  # job-wide (`costs`)
 
 
 class Trainer:
@@ -154,7 +156,7 @@ class Trainer:
             step=self.scalars.step, loss=stats.loss, aux_loss=stats.aux_loss,
             grad_norm=stats.update.grad_norm, lr=stats.update.lr,
             seconds=time.perf_counter() - start, samples=stats.samples,
-            agreement=stats.agreement,
+            agreement=stats.agreement, costs=stats.costs,
         )  # fmt: skip
         self.scalars = self.scalars.advanced(self.settings.global_batch)
         return record

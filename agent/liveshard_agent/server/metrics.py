@@ -14,6 +14,7 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from liveshard_core.job import Result, TrainingSettings
+from liveshard_core.policy.rebalance import imbalance
 
 from ..runtime.events import (
     Broke,
@@ -81,6 +82,11 @@ class Metrics:
             "Seconds from a reconfiguration's request to prepared, on this member.",
             _LONG_BUCKETS,
         )
+        self.imbalance = gauge(
+            "liveshard_pipeline_imbalance",
+            "The last step's slowest pipeline stage over the mean stage, in measured compute "
+            "seconds (1: balanced).",
+        )
         self.checkpoints = counter("liveshard_checkpoints_total", "Checkpoints saved.")
         self.checkpoint_seconds = histogram(
             "liveshard_checkpoint_seconds", "Seconds each checkpoint took to save.", _LONG_BUCKETS
@@ -115,6 +121,8 @@ class Metrics:
                     self.tokens_per_second.set(self._tokens_per_step / record.seconds)
                 self.step_seconds.observe(record.seconds)
                 self.samples.inc(self._global_batch)
+                if record.costs.layers and event.pp_layers:
+                    self.imbalance.set(imbalance(record.costs, event.pp_layers))
             case Switched():
                 self._reconfigurations[event.result].inc()
                 self.pause_seconds.observe(event.pause_seconds)

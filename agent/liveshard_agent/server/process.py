@@ -74,7 +74,9 @@ def serve(config: AgentConfig, board: StatusBoard) -> int:
         raise ConfigError(f"LIVESHARD_CONFIG: training: {err}") from None
     layouts: dict[int, Layout] = {}
     metrics = Metrics(config.job, config.member, job_config.training)
-    reporter = Reporter(member, board, config.job, layouts.get, metrics)
+    reporter = Reporter(
+        member, board, config.job, layouts.get, metrics, job_config.rebalance.window_steps
+    )
     inbox = CommandInbox(reporter.boundary)
 
     def use_deadlines(deadlines: Deadlines) -> None:  # on the loop's thread, between commands

@@ -15,7 +15,9 @@ from dataclasses import replace
 from typing import Any
 
 from liveshard_core.job import Cause
+from liveshard_core.job.rebalance import RebalanceSettings
 from liveshard_core.layout.layout import Layout
+from liveshard_core.policy.rebalance import CostWindow
 
 from ..engine.record import ContextLogger, context_logger
 from ..runtime.events import (
@@ -33,6 +35,7 @@ from .inbox import Ticket
 from .metrics import Metrics
 from .status import (
     CheckpointSummary,
+    CostsView,
     Observed,
     PendingState,
     PendingView,
@@ -83,8 +86,11 @@ class Reporter:
         job: str,
         layout_of: Callable[[int], Layout | None],
         metrics: Metrics | None = None,
+        window_steps: int = RebalanceSettings.window_steps,
     ) -> None:
         self.member, self.board, self.job = member, board, job
+        self.window = CostWindow(window_steps)  # the costs measured in one layout
+        self._measured_in = ""  # that layout
         self.layout_of = layout_of
         self.metrics = metrics
         self._refusal: str | None = None  # of the command being obeyed
@@ -102,6 +108,7 @@ class Reporter:
         match event:
             case Stepped(record=record):
                 self.log.debug("step %s: loss %.4f", record.step, record.loss)
+                update["costs"] = self._costs(event)
             case Switched():
                 update["last_switch"] = _switch_summary(event)
                 why = "" if event.committed else f" ({_value(event.cause)}: {event.reason})"
@@ -135,6 +142,18 @@ class Reporter:
                 update["message"] = message
                 self.log.warning("%s", message)
         self._refresh(update, ())
+
+    def _costs(self, event: Stepped) -> CostsView | None:
+        """The costs measured over the window, in the layout `event` trained in."""
+        if event.layout != self._measured_in:
+            self.window.clear()
+            self._measured_in = event.layout
+        if event.record.costs.layers:
+            self.window.add(event.record.costs)
+        costs = self.window.median()
+        return (
+            None if costs is None else CostsView.of(costs, len(self.window.seen), event.pp_layers)
+        )
 
     def boundary(self, settled: list[Ticket]) -> None:
         """The inbox's `on_boundary`: the loop is between commands and steps."""

@@ -19,6 +19,8 @@ from enum import Enum
 from liveshard.v1 import agent_pb2 as pb
 from liveshard_core.job import Cause, Result
 from liveshard_core.layout.layout import Layout
+from liveshard_core.policy.pipeline import evaluate
+from liveshard_core.policy.rebalance import StepCosts, imbalance, layer_costs
 
 
 class Phase(Enum):
@@ -108,6 +110,29 @@ class CheckpointSummary:
 
 
 @dataclass(frozen=True)
+class CostsView:
+    """The job's measured costs: the window's medians (`policy.rebalance`), over `steps` steps of
+    the layout in effect, with its stages' seconds and their imbalance."""
+
+    costs: StepCosts
+    steps: int
+    stage_seconds: tuple[float, ...]
+    imbalance: float
+
+    @classmethod
+    def of(cls, costs: StepCosts, steps: int, pp_layers: tuple[int, ...]) -> CostsView:
+        stages = evaluate(layer_costs(costs, None), pp_layers).stage_seconds
+        return cls(costs, steps, stages, imbalance(costs, pp_layers))
+
+    def to_proto(self) -> pb.Costs:
+        return pb.Costs(
+            layer_seconds=self.costs.layers, first_seconds=self.costs.first,
+            last_seconds=self.costs.last, steps=self.steps, imbalance=self.imbalance,
+            stage_seconds=self.stage_seconds,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
 class Snapshot:
     member: str
     steps: int  # the job's last step + 1
@@ -120,6 +145,7 @@ class Snapshot:
     last_checkpoint: CheckpointSummary | None = None  # the last saved
     failed_checkpoint: CheckpointSummary | None = None  # the last asked for, when it failed
     message: str = ""  # the last refused command or failure, for people
+    costs: CostsView | None = None  # the job's measured costs, once a step was measured
 
     def claimed(self, *kinds: ClaimKind) -> list[Claim]:
         return [c for c in self.claims if c.kind in kinds]
@@ -193,6 +219,8 @@ class Snapshot:
         if self.failed_checkpoint is not None:
             failed = pb.CheckpointSummary(**asdict(self.failed_checkpoint))
             status.failed_checkpoint.CopyFrom(failed)
+        if self.costs is not None:
+            status.costs.CopyFrom(self.costs.to_proto())
         return status
 
 

@@ -18,6 +18,7 @@ from ..vps.hf import HfModel
 from ..vps.presets import CONFIGS, resolve_model
 from ..vps.spec import DType, ModelSpec, TransformerConfig, config_from_dict, config_to_dict
 from .deadlines import Deadlines
+from .rebalance import RebalanceSettings
 from .settings import TrainingSettings
 
 DEFAULT_PORT = 7070  # the agent API's
@@ -26,7 +27,7 @@ DEFAULT_BUDGET = 256 << 20  # transfer buffer bytes per member per round
 PRECISIONS = ("fp32", "bf16")
 INITS = ("pretrained", "random")
 DEVICES = ("cpu", "cuda")
-_KEYS = ("model", "precision", "device", "training", "deadlines", "budget_bytes")
+_KEYS = ("model", "precision", "device", "training", "deadlines", "budget_bytes", "rebalance")
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class JobConfig:
     budget_bytes: int = DEFAULT_BUDGET
     model_path: str | None = None  # a Hugging Face model directory `model` was read from
     init: str | None = None  # None: from the directory's weights when it has them, else random
+    rebalance: RebalanceSettings = field(default_factory=RebalanceSettings)
 
     def __post_init__(self) -> None:
         _choice(self.precision, "precision", PRECISIONS)
@@ -56,6 +58,12 @@ class JobConfig:
                 f"training.seq_len={seq} exceeds the model's sliding_window={window}: sliding-"
                 "window attention is not computed, so sequences must fit in the window"
             )
+        for i, (_, layers) in enumerate(self.training.freeze):
+            if layers > self.model.layers:
+                raise InvalidInput(
+                    f"training.freeze[{i}].layers={layers} exceeds the model's "
+                    f"{self.model.layers} layers"
+                )
 
     @cached_property
     def hf_model(self) -> HfModel | None:
@@ -90,6 +98,7 @@ class JobConfig:
                 "training": self.training.as_dict(),
                 "deadlines": self.deadlines.as_dict(),
                 "budget_bytes": self.budget_bytes,
+                "rebalance": self.rebalance.as_dict(),
             },
             sort_keys=True,
         )
@@ -98,7 +107,8 @@ class JobConfig:
     def from_json(cls, text: str) -> JobConfig:
         """`{"model": {"preset": NAME} | {"spec": {TransformerConfig fields}}, "precision": null |
         "fp32" | "bf16", "device": null | "cpu" | "cuda", "training": {TrainingSettings fields},
-        "deadlines": {"op": s, "switch": s, "prepare": s}, "budget_bytes": n}`; only `model` is
+        "deadlines": {"op": s, "switch": s, "prepare": s}, "budget_bytes": n, "rebalance":
+        {RebalanceSettings fields}}`; only `model` is
         required. Errors name the field."""
         try:
             data = json.loads(text)
@@ -125,6 +135,7 @@ class JobConfig:
             training=TrainingSettings.from_dict(data.get("training") or {}),
             deadlines=Deadlines.from_dict(data.get("deadlines") or {}),
             budget_bytes=budget,
+            rebalance=RebalanceSettings.from_dict(data.get("rebalance") or {}),
         )
 
     def _model_source(self) -> dict[str, Any]:

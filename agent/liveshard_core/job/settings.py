@@ -8,7 +8,8 @@ Each field is one setting everywhere: `spec.training.<camelCase>` in the CRD (or
 `spec.<section>.<camelCase>` where its `crd` metadata names another section: the pipeline schedule
 is a parallelism field there), `--<kebab-case>` of `liveshard-local` (see `flags`), the field's own
 name in the agent's JSON. Its `help` metadata is the flag's help text, its `choices` metadata (if
-any) the values it may take.
+any) the values it may take. One setting is a list, `freeze`: a list of `{step, layers}` objects in
+the CRD and the JSON, one `--freeze STEP:LAYERS` flag per entry.
 """
 
 from __future__ import annotations
@@ -19,17 +20,27 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from ..errors import InvalidInput
+from ..vps.spec import Param
 
 DATA_ORDERS = ("shuffled", "sequential")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+FREEZE_KEYS = ("step", "layers")  # an entry of `freeze`, as the CRD and the JSON spell it
 
 
 def _setting(
-    default: Any, help: str, *, choices: tuple[str, ...] | None = None, crd: str = "training"
+    default: Any,
+    help: str,
+    *,
+    choices: tuple[str, ...] | None = None,
+    crd: str = "training",
+    metavar: str | None = None,
+    example: str | None = None,
 ) -> Any:
     metadata: dict[str, Any] = {"help": help, "crd": crd}
     if choices is not None:
         metadata["choices"] = choices
+    if metavar is not None:  # a list setting: how one flag spells an entry, for example
+        metadata["metavar"], metadata["example"] = metavar, example
     return field(default=default, metadata=metadata)
 
 
@@ -76,6 +87,14 @@ class TrainingSettings:
         choices=PIPELINE_SCHEDULES,
         crd="parallelism",
     )
+    freeze: tuple[tuple[int, int], ...] = _setting(
+        (),
+        "from step STEP on, the first LAYERS transformer layers are frozen: no gradient, no "
+        "update (and the input embedding, unless tied, once LAYERS >= 1); repeatable, the last "
+        "entry whose STEP has come applies, e.g. 20:2 then 40:4",
+        metavar="STEP:LAYERS",
+        example="20:2",
+    )
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "micro_batch", "seq_len", "steps"):
@@ -95,6 +114,7 @@ class TrainingSettings:
                 )
         if not 0 <= self.dropout < 1:
             raise InvalidInput(f"training: dropout={self.dropout} must be in [0, 1)")
+        object.__setattr__(self, "freeze", _freeze_entries(self.freeze))
         if self.min_lr is None:
             object.__setattr__(self, "min_lr", self.lr / 10)
         if self.lr <= 0 or self.final_lr < 0 or self.final_lr > self.lr:
@@ -118,6 +138,25 @@ class TrainingSettings:
             )
         return self.global_batch // per_step
 
+    def frozen_layers(self, step: int) -> int:
+        """How many of the first layers are frozen at `step`: the layers of the last `freeze`
+        entry whose step has come (0 before the first)."""
+        layers = 0
+        for start, count in self.freeze:
+            if start > step:
+                break
+            layers = count
+        return layers
+
+    def frozen(self, step: int, param: Param) -> bool:
+        """Whether `param` takes no update at `step`: a weight of a frozen layer, or the input
+        embedding once a layer is frozen, unless the head shares it (a tied embedding still
+        trains through the head). The same answer on every rank, in every layout."""
+        layers = self.frozen_layers(step)
+        if param.layer is not None:
+            return param.layer < layers
+        return param.name == "embed" and not param.aliases and layers >= 1
+
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq_len
@@ -132,7 +171,9 @@ class TrainingSettings:
         return low + 0.5 * (self.lr - low) * (1 + math.cos(math.pi * progress))
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        data["freeze"] = [dict(zip(FREEZE_KEYS, entry, strict=True)) for entry in self.freeze]
+        return data
 
     @classmethod
     def from_crd(cls, spec: dict[str, Any]) -> TrainingSettings:
@@ -188,9 +229,10 @@ class TrainingSettings:
 
 
 def setting_type(annotation: Any) -> type:
-    """The value type of a setting's annotation (`int`, `float` or `str`)."""
+    """The value type of a setting's annotation (`int`, `float`, `str`, or `tuple` for a list
+    of entries)."""
     text = str(annotation)
-    for kind in (int, float, str):
+    for kind in (int, float, str, tuple):
         if text.startswith(kind.__name__):
             return kind
     raise TypeError(f"a setting of type {text} has no parser")
@@ -200,6 +242,8 @@ def _typed(raw: Any, annotation: Any, where: str) -> Any:
     kind, optional = setting_type(annotation), "None" in str(annotation)
     if raw is None and optional:
         return None
+    if kind is tuple:
+        return _typed_entries(raw, where)
     if kind is int:
         if type(raw) is not int:
             raise InvalidInput(f"{where}={raw!r} must be an integer")
@@ -211,6 +255,44 @@ def _typed(raw: Any, annotation: Any, where: str) -> Any:
     if not isinstance(raw, str):
         raise InvalidInput(f"{where}={raw!r} must be a {'path or null' if optional else 'string'}")
     return raw
+
+
+def _typed_entries(raw: Any, where: str) -> tuple[tuple[int, ...], ...]:
+    """A list of `{step, layers}` objects (the CRD's and the JSON's `freeze`) as its entries."""
+    if not isinstance(raw, list):
+        raise InvalidInput(f"{where}={raw!r} must be a list of {{step, layers}} objects")
+    entries = []
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict) or set(item) != set(FREEZE_KEYS):
+            raise InvalidInput(
+                f"{where}[{i}]={item!r} must be an object with exactly the fields "
+                f"{list(FREEZE_KEYS)}"
+            )
+        entries.append(tuple(_typed(item[k], "int", f"{where}[{i}].{k}") for k in FREEZE_KEYS))
+    return tuple(entries)
+
+
+def _freeze_entries(value: Any) -> tuple[tuple[int, int], ...]:
+    """`freeze` as a tuple of (step, layers) pairs, checked: integers >= 0, steps strictly
+    increasing."""
+    if not isinstance(value, tuple | list):
+        raise InvalidInput(f"training: freeze={value!r} must be a list of (step, layers) pairs")
+    entries: list[tuple[int, int]] = []
+    for i, entry in enumerate(value):
+        if not isinstance(entry, tuple | list) or len(entry) != 2:
+            raise InvalidInput(f"training: freeze[{i}]={entry!r} must be a (step, layers) pair")
+        for key, number in zip(FREEZE_KEYS, entry, strict=True):
+            if type(number) is not int or number < 0:
+                raise InvalidInput(
+                    f"training: freeze[{i}].{key}={number!r} must be an integer >= 0"
+                )
+        if entries and entry[0] <= entries[-1][0]:
+            raise InvalidInput(
+                f"training: freeze[{i}].step={entry[0]} must be greater than "
+                f"freeze[{i - 1}].step={entries[-1][0]}: steps strictly increase"
+            )
+        entries.append((entry[0], entry[1]))
+    return tuple(entries)
 
 
 def camel(name: str) -> str:

@@ -17,8 +17,14 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from ..errors import InvalidInput
+from ..layout.layout import Layout
+from ..vps.spec import ModelSpec
 from .matching import Slot
-from .schedule import Schedule
+from .plan import build_plan
+from .schedule import Schedule, build_schedule
+
+BANDWIDTH = 25e9  # bytes per second of one member's link, unless measured (`liveshard plan`'s)
+LATENCY = 1e-3  # seconds added to every round
 
 
 @dataclass(frozen=True)
@@ -78,3 +84,13 @@ def _round_directions(schedule: Schedule) -> list[tuple[dict[Slot, int], dict[Sl
                 recvs[dst] += n
         out.append((dict(sends), dict(recvs)))
     return out
+
+
+def predicted_pause(
+    spec: ModelSpec, old: Layout, new: Layout, budget: int, bandwidth: float = BANDWIDTH,
+    latency: float = LATENCY,
+) -> float:  # fmt: skip
+    """The predicted pause of switching from `old` to `new` with `budget` buffer bytes per
+    member: the plan, cut into rounds, through the model above."""
+    schedule = build_schedule(build_plan(spec, old, new), budget)
+    return predict(schedule, bandwidth, latency).pause_seconds

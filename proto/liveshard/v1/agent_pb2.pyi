@@ -137,7 +137,7 @@ class ReleaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AgentStatus(_message.Message):
-    __slots__ = ("member", "phase", "ready", "epoch", "step", "layout", "loss", "pending", "last_switch", "last_checkpoint", "message", "terminating", "steps", "samples", "failed_checkpoint")
+    __slots__ = ("member", "phase", "ready", "epoch", "step", "layout", "loss", "pending", "last_switch", "last_checkpoint", "message", "terminating", "steps", "samples", "failed_checkpoint", "costs")
     class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         PHASE_UNSPECIFIED: _ClassVar[AgentStatus.Phase]
@@ -171,6 +171,7 @@ class AgentStatus(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     FAILED_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    COSTS_FIELD_NUMBER: _ClassVar[int]
     member: str
     phase: AgentStatus.Phase
     ready: bool
@@ -186,7 +187,24 @@ class AgentStatus(_message.Message):
     steps: int
     samples: int
     failed_checkpoint: CheckpointSummary
-    def __init__(self, member: _Optional[str] = ..., phase: _Optional[_Union[AgentStatus.Phase, str]] = ..., ready: _Optional[bool] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., loss: _Optional[float] = ..., pending: _Optional[_Union[Pending, _Mapping]] = ..., last_switch: _Optional[_Union[SwitchSummary, _Mapping]] = ..., last_checkpoint: _Optional[_Union[CheckpointSummary, _Mapping]] = ..., message: _Optional[str] = ..., terminating: _Optional[bool] = ..., steps: _Optional[int] = ..., samples: _Optional[int] = ..., failed_checkpoint: _Optional[_Union[CheckpointSummary, _Mapping]] = ...) -> None: ...
+    costs: Costs
+    def __init__(self, member: _Optional[str] = ..., phase: _Optional[_Union[AgentStatus.Phase, str]] = ..., ready: _Optional[bool] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., loss: _Optional[float] = ..., pending: _Optional[_Union[Pending, _Mapping]] = ..., last_switch: _Optional[_Union[SwitchSummary, _Mapping]] = ..., last_checkpoint: _Optional[_Union[CheckpointSummary, _Mapping]] = ..., message: _Optional[str] = ..., terminating: _Optional[bool] = ..., steps: _Optional[int] = ..., samples: _Optional[int] = ..., failed_checkpoint: _Optional[_Union[CheckpointSummary, _Mapping]] = ..., costs: _Optional[_Union[Costs, _Mapping]] = ...) -> None: ...
+
+class Costs(_message.Message):
+    __slots__ = ("layer_seconds", "first_seconds", "last_seconds", "steps", "imbalance", "stage_seconds")
+    LAYER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    IMBALANCE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    layer_seconds: _containers.RepeatedScalarFieldContainer[float]
+    first_seconds: float
+    last_seconds: float
+    steps: int
+    imbalance: float
+    stage_seconds: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, layer_seconds: _Optional[_Iterable[float]] = ..., first_seconds: _Optional[float] = ..., last_seconds: _Optional[float] = ..., steps: _Optional[int] = ..., imbalance: _Optional[float] = ..., stage_seconds: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Pending(_message.Message):
     __slots__ = ("epoch", "state", "at_step", "reason")

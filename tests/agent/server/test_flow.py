@@ -233,7 +233,8 @@ def test_a_job_grows_shrinks_aborts_checkpoints_and_drains(
 
 def test_a_one_member_job_trains_to_its_end(tmp_path: Path) -> None:
     """1 agent process: a job of 6 steps runs to DONE, and the agent exits when released."""
-    config = {**CONFIG, "training": {**CONFIG["training"], "steps": 6}}  # type: ignore[dict-item]
+    config = {**CONFIG, "training": {**CONFIG["training"], "steps": 6},  # type: ignore[dict-item]
+              "rebalance": {"window_steps": 4}}  # fmt: skip
     with agents(["solo"], tmp_path, LIVESHARD_CONFIG=json.dumps(config)) as started:
         solo = started["solo"]
         request = pb.PrepareRequest(epoch=0, store=host_store(solo, 0), to=layout(["solo"]))
@@ -243,6 +244,11 @@ def test_a_one_member_job_trains_to_its_end(tmp_path: Path) -> None:
         assert err.code() == Code.FAILED_PRECONDITION
         status = solo.wait_for("the end", lambda s: s.phase == Phase.DONE)
         assert status.step == status.steps == 6 and status.samples == 6 * 4
+        # The measured costs: the medians of the last 4 steps, one stage holding every layer.
+        costs = status.costs
+        assert costs.steps == 4 and len(costs.layer_seconds) == 4 and costs.imbalance == 1.0
+        whole = sum(costs.layer_seconds) + costs.first_seconds + costs.last_seconds
+        assert list(costs.stage_seconds) == [pytest.approx(whole)] and whole > 0
         # Done, it keeps its state: a checkpoint of the last step is saved (and exported) at once.
         path, out = str(tmp_path / "last"), str(tmp_path / "hf")
         late = pb.CheckpointRequest(number=1, path=path, at_step=7, export_to=out)

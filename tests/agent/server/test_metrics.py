@@ -4,6 +4,7 @@ registry (no process), the metrics port's configuration (no process), and one ag
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import urllib.request
 from pathlib import Path
@@ -31,6 +32,7 @@ from liveshard_agent.server.config import ConfigError, load
 from liveshard_agent.server.metrics import Metrics
 from liveshard_agent.server.status import Phase
 from liveshard_core.job import Result, TrainingSettings
+from liveshard_core.policy.rebalance import StepCosts
 
 from .agents import HOST, WAIT, agent_env, agents, free_port, layout
 from .test_flow import change, host_store, switched, trains
@@ -65,7 +67,12 @@ def metrics() -> Metrics:
 def test_steps_set_the_progress_series(metrics: Metrics) -> None:
     """No process."""
     metrics.report(stepped(0, 5.0, 0.5))
-    metrics.report(stepped(1, 4.5, 0.25))
+    costs = StepCosts((1.0, 1.0, 1.0, 1.0))
+    metrics.report(dataclasses.replace(
+        stepped(1, 4.5, 0.25), record=dataclasses.replace(stepped(1, 4.5, 0.25).record,
+                                                          costs=costs), pp_layers=(3, 1),
+    ))  # fmt: skip
+    assert value(metrics, "liveshard_pipeline_imbalance") == 1.5  # 3 s over a mean of 2
     assert value(metrics, "liveshard_step") == 1
     assert value(metrics, "liveshard_loss") == 4.5
     assert value(metrics, "liveshard_tokens_per_second") == 4 * 32 / 0.25

@@ -15,10 +15,10 @@ import yaml
 from liveshard_core.errors import InvalidInput
 from liveshard_core.job import Cause, Deadlines, JobConfig, Result, TrainingSettings
 from liveshard_core.job.flags import flag
-from liveshard_core.job.settings import camel, setting_type
+from liveshard_core.job.settings import FREEZE_KEYS, camel, setting_type
 
 ROOT = Path(__file__).resolve().parents[3]
-SCHEMA_TYPES = {int: "integer", float: "number", str: "string"}
+SCHEMA_TYPES = {int: "integer", float: "number", str: "string", tuple: "array"}
 # Defaults the CRD sets apart from the settings' own, on purpose: on Kubernetes a micro-batch is
 # one sample unless the job says otherwise.
 CRD_DEFAULTS = {"micro_batch": 1}
@@ -28,6 +28,7 @@ CHANGED: dict[str, Any] = {
     "min_lr": 0.002, "warmup_steps": 3, "weight_decay": 0.05, "beta1": 0.8, "beta2": 0.9,
     "eps": 1e-6, "clip_norm": 0.5, "dropout": 0.1, "aux_loss_coef": 0.02, "data": "/data/text",
     "tokenizer": "/data/tokenizer.json", "data_order": "sequential", "pipeline_schedule": "gpipe",
+    "freeze": ((2, 1), (4, 2)),
 }  # fmt: skip
 
 
@@ -42,7 +43,10 @@ def crd_sections(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
     sections: dict[str, dict[str, Any]] = {}
     for f in dataclasses.fields(TrainingSettings):
         if f.name in values:
-            sections.setdefault(f.metadata["crd"], {})[camel(f.name)] = values[f.name]
+            value = values[f.name]
+            if setting_type(f.type) is tuple:  # a list of {step, layers} objects
+                value = [dict(zip(FREEZE_KEYS, entry, strict=True)) for entry in value]
+            sections.setdefault(f.metadata["crd"], {})[camel(f.name)] = value
     return sections
 
 
@@ -97,7 +101,10 @@ def test_a_job_travels_from_the_flags_to_the_launcher() -> None:
 
     argv = ["--device", "cpu", "--nprocs", "3", "--layout", "dp=3"]
     for name, value in CHANGED.items():
-        argv += [flag(name), str(value)]
+        if name == "freeze":  # one flag per entry
+            argv += [arg for step, layers in value for arg in (flag(name), f"{step}:{layers}")]
+        else:
+            argv += [flag(name), str(value)]
     job = job_from_args(_parser().parse_args(argv))
     assert job.settings == TrainingSettings(**CHANGED)
     assert job.config == JobConfig.from_json(job.config.to_json())
