@@ -391,6 +391,29 @@ def test_a_worker_killed_without_notice_is_recovered_from_its_replicas(operator:
     steps.wait(lambda s: s.get("step", 0) > back["step"], "training on")
 
 
+def test_a_pipeline_whose_first_layers_freeze_is_rebalanced_live(operator: Kube) -> None:
+    kube = operator
+    # pp=2 on 2 workers, 2 of the 4 layers each; from step 4 the first 2 layers are frozen
+    # (forward only): the second stage paces the step until a layer moves to the first.
+    training = {**job(2)["spec"]["training"], "freeze": [{"step": 4, "layers": 2}]}
+    rebalance = {"enabled": True, "windowSteps": 3, "threshold": 0.1}
+    steps, start = started(kube, 2, parallelism={"pp": 2, "zero": 0}, training=training,
+                           rebalance=rebalance)  # fmt: skip
+
+    def rebalanced(s: dict[str, Any]) -> bool:
+        return any(h.get("reason", "").startswith("rebalance:") and h["result"] == "committed"
+                   for h in s.get("history", []))  # fmt: skip
+
+    after = steps.wait(lambda s: rebalanced(s) and s.get("phase") == "Running", "a rebalance")
+    (done,) = [h for h in after["history"] if h["reason"].startswith("rebalance:")]
+    assert done["to"].endswith("pp_layers=3:1"), done
+    assert set(after["members"]) == set(start["members"])  # the same pods: layers moved
+    assert "Rebalance" in event_reasons(kube)
+    # Kept as it is: the next passes measure it and leave it (no switch back to 2:2).
+    later = steps.wait(lambda s: s.get("step", 0) > after["step"] + 12, "training on")
+    assert later["epoch"] == after["epoch"] and "imbalance" in later, later
+
+
 def test_a_hung_worker_is_taken_out_once_the_others_world_breaks(operator: Kube) -> None:
     kube = operator
     steps, start = started(kube, 3, parallelism={"zero": 0})

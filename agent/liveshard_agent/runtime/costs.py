@@ -1,17 +1,18 @@
 """What each step's layers cost on this rank: compute seconds, forward and backward, per layer.
 
 A stage's forward stamps the clock at every layer boundary (after the embedding, after each
-layer, after the loss), and puts a mark on the hidden state there: an identity in the autograd
-graph whose backward stamps the clock when the gradient crosses it. The time between two stamps
-is charged to what ran between them: a layer, the embedding (`first`) or the head (`last`).
-Waiting for a peer is never inside a span: spans open and close within one forward or one
-backward of one micro-batch. A frozen layer that no gradient crosses is charged nothing for its
-backward. On CPU the stamps are the monotonic clock (autograd runs the backward on the calling
-thread); on GPUs they are CUDA events on the current stream, read once per step (`collect`).
+layer, after the loss), and hooks the hidden state there: autograd calls the hook when that
+state's gradient is complete, just before the backward of what made it runs, and the hook stamps
+the clock (it returns nothing: the gradient is unchanged). The time between two stamps is charged
+to what ran between them: a layer, the embedding (`first`) or the head (`last`). Spans open and
+close within one forward or one backward of one micro-batch, so waiting for a pipeline peer is
+never counted; a layer's own collectives (tp's all-reduces, the MoE all-to-all) are, as part of
+its cost. A frozen layer that no gradient crosses is charged nothing for its backward. On CPU the
+stamps are the monotonic clock (autograd runs a CPU backward on the calling thread); on GPUs they
+are CUDA events on the current stream, read once per step (`collect`).
 
-The cost: one stamp and one autograd node per layer per micro-batch and direction, a few
-microseconds each; the vector goes in the step's one all-reduce (`job_share`), no collective of
-its own.
+The cost: a stamp per layer per micro-batch and direction, and a tensor hook; the vector goes in
+the step's one all-reduce (`job_share`), no collective of its own.
 """
 
 from __future__ import annotations
@@ -55,13 +56,12 @@ class LayerClock:
 
     def boundary(self, x: torch.Tensor, index: int) -> torch.Tensor:
         """The hidden state before layer `index` of the stage's (`len(layers)`: after the last):
-        charges what ran since the last stamp, marks `x` for the backward."""
+        charges what ran since the last stamp, hooks `x` for the backward."""
         after = LAST if self.last else None
         self._charge(self.layers[index] if index < len(self.layers) else after)
-        if not x.requires_grad:
-            return x
-        marked: torch.Tensor = _Mark.apply(x, self, index)
-        return marked
+        if x.requires_grad:
+            x.register_hook(lambda grad: self.crossed(index))  # type: ignore[no-untyped-call]
+        return x
 
     def end(self) -> None:
         """The forward ended: the head (or nothing, on other stages) ran since the last stamp."""
@@ -74,7 +74,7 @@ class LayerClock:
         self.stamp, self.open = self._now(), LAST if self.last else None
 
     def crossed(self, index: int) -> None:
-        """The gradient crossed the mark before layer `index`: that layer's backward runs next
+        """The gradient reached the state before layer `index`: that layer's backward runs next
         (the embedding's below the first)."""
         below = self.layers[index - 1] if index > 0 else FIRST if self.first else None
         self._charge(below)
@@ -103,17 +103,3 @@ def job_share(totals: dict[int, float], layers: int, holders: int) -> tuple[floa
     for slot, seconds in totals.items():
         vector[slot if slot >= 0 else layers + (0 if slot == FIRST else 1)] += seconds / holders
     return tuple(vector)
-
-
-class _Mark(torch.autograd.Function):
-    """An identity whose backward tells the clock the gradient crossed it."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, clock: LayerClock, index: int) -> torch.Tensor:
-        ctx.clock, ctx.index = clock, index
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        ctx.clock.crossed(ctx.index)
-        return grad, None, None
