@@ -3,8 +3,10 @@ that the epoch is new to this store and that every member computed the same plan
 settings; over the union group, the traffic the whole plan puts on each pair of members.
 
 They run in prepare (`switch.Reconfiguration`), on the prepare thread's own store client, and
-raise the engine's errors (`EpochReused`, `PrepareTimeout`, `PlanMismatch`) that end prepare, or
-torch's when the union's all-reduce fails. This module must not build groups or move state.
+raise the engine's errors (`EpochReused`, `PrepareTimeout`, `PlanMismatch`, `ForgedValue`) that
+end prepare, or torch's when the union's all-reduce fails. The digests are sealed (`sealed`); the
+counters cannot be, and are out of a forger's reach under the epoch's tag. This module must not
+build groups or move state.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import hashlib
 from datetime import timedelta
 
 import torch
-from torch.distributed import ReduceOp, Store
+from torch.distributed import ReduceOp
 
 from liveshard_core.plan.schedule import Traffic, member_traffic
 from liveshard_core.plan.view import MemberPlan
@@ -23,12 +25,13 @@ from . import keys
 from .backend import Group
 from .errors import EpochReused, PlanMismatch, PrepareTimeout
 from .modes import Verification
+from .sealed import JobStore
 from .vote import reduce_ints
 
 
-def claim_epoch(store: Store, epoch: int, member: str) -> None:
+def claim_epoch(store: JobStore, epoch: int, member: str) -> None:
     """Refuse an epoch this member already used on this store: its keys would mislead."""
-    uses = store.add(keys.claimed(epoch, member), 1)
+    uses = store.add(keys.claimed(epoch, store.tag(epoch), member), 1)
     if uses != 1:
         raise EpochReused(
             f"epoch {epoch} was already used by {member} on this store; "
@@ -37,7 +40,7 @@ def claim_epoch(store: Store, epoch: int, member: str) -> None:
 
 
 def agree_on_digest(
-    store: Store,
+    store: JobStore,
     *,
     epoch: int,
     member: str,
@@ -52,14 +55,15 @@ def agree_on_digest(
     that every member of the union `members` published the same, within `timeout` seconds. A
     few store operations per member, whatever the number of members: each counts itself under
     its digest and among those that published, the last to publish says so; only a failure
-    reads the members' digests one by one, to name who is missing or differs."""
-    prefix = keys.digest_prefix(epoch)
+    reads the members' digests one by one (sealed: `ForgedValue` for one that is not), to name
+    who is missing or differs."""
+    prefix = keys.digest_prefix(epoch, store.tag(epoch))
     agreed = f"{digest} budget={budget} verify={verification.value}"
     same = prefix + "count/" + hashlib.sha256(agreed.encode()).hexdigest()
-    store.set(prefix + member, agreed)
+    store.put(prefix + member, agreed)
     store.add(same, 1)
     if store.add(prefix + "published", 1) == len(members):
-        store.set(prefix + "all", "1")
+        store.put(prefix + "all", "1")
     published = [prefix + m for m in members]
     try:
         store.wait([prefix + "all"], timedelta(seconds=timeout))
@@ -70,7 +74,7 @@ def agree_on_digest(
         ) from None
     if store.add(same, 0) == len(members):
         return
-    differ = [m for m, k in zip(members, published, strict=True) if store.get(k).decode() != agreed]
+    differ = [m for m, k in zip(members, published, strict=True) if store.get(k) != agreed]
     raise PlanMismatch(
         f"epoch {epoch}: members {differ} computed a different plan or settings "
         f"than {member} (digest {digest[:12]}, budget {budget}, "

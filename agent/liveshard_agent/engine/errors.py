@@ -9,7 +9,15 @@ from __future__ import annotations
 from liveshard_core.errors import PermanentError, RetryableError
 from liveshard_core.job import Cause
 
-__all__ = ["Cause", "EpochReused", "PhaseError", "PlanMismatch", "PrepareTimeout", "TransferError"]
+__all__ = [
+    "Cause",
+    "EpochReused",
+    "ForgedValue",
+    "PhaseError",
+    "PlanMismatch",
+    "PrepareTimeout",
+    "TransferError",
+]
 
 
 class TransferError(RetryableError):
@@ -38,3 +46,18 @@ class PrepareTimeout(RetryableError):
     """Prepare did not finish within its deadline."""
 
     cause = Cause.DEADLINE_PASSED
+
+
+class ForgedValue(RetryableError):
+    """A value in the job's store does not carry the job's seal (`sealed`): a process without
+    the job's credential wrote or changed it. It is refused and never acted on; the change it
+    belongs to is given up, and another epoch (other keys) may succeed."""
+
+    cause = Cause.VOTE_INCOMPLETE
+
+    def __init__(self, key: str, why: str) -> None:
+        super().__init__(
+            f"the value at {key!r} in the job's store {why}: no member of this job wrote it "
+            "as it is, and it is refused"
+        )
+        self.key = key

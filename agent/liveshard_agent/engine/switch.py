@@ -67,6 +67,7 @@ from .offload import BoundedMemory
 from .program import Program, build_program
 from .record import SwitchRecord, context_logger, switch_record
 from .resident import ResidentMemory
+from .sealed import JobStore, Seal
 from .state import ShardedState, region_boxes
 from .vote import Failure, decide, settle
 from .world import World, close_in_background, union_group
@@ -147,11 +148,14 @@ class Reconfiguration:
         memory: MemoryMode = MemoryMode.RESIDENT,
         job: str = "",
         hooks: SwitchHooks | None = None,
+        seal: Seal | None = None,
     ) -> None:
         """`lost` names old members that died with their state: the plan uses surviving copies.
         `verify` chooses what the vote compares (`Verification`; True is MOVED, False is NONE:
         the vote then only carries failures, and the bytes are trusted to the transport).
-        `memory` chooses how old state and shadow share the device (`MemoryMode`)."""
+        `memory` chooses how old state and shadow share the device (`MemoryMode`). `seal` is the
+        job's (`sealed.Seal`), the same for every member; without one, a seal from the job's name
+        alone, which anyone can forge."""
         if not isinstance(memory, MemoryMode):
             raise TypeError(f"memory must be a MemoryMode, got {memory!r}")
         self.spec, self.old, self.new, self.member, self.lost = spec, old, new, member, lost
@@ -159,6 +163,7 @@ class Reconfiguration:
         self.verify = self.verification is not Verification.NONE
         self.memory_mode, self.job = memory, job
         self.store, self.epoch, self.device, self.budget = store, epoch, device, budget
+        self.seal = seal or Seal.of("", job)
         self.deadlines = deadlines or Deadlines()
         self.hooks = hooks or SwitchHooks()
         self.seconds: dict[str, float] = {}
@@ -182,6 +187,11 @@ class Reconfiguration:
     @property
     def phase(self) -> Phase:
         return self._phase
+
+    @property
+    def job_store(self) -> JobStore:
+        """The store this reconfiguration meets in (prepare's own client), with the job's seal."""
+        return JobStore(self.store, self.seal)
 
     @property
     def shadow(self) -> ShardedState | None:
@@ -253,7 +263,7 @@ class Reconfiguration:
         self.store = self.store.clone()
         if self.hooks.before_prepare is not None:
             self.hooks.before_prepare()
-        claim_epoch(self.store, self.epoch, self.member)
+        claim_epoch(self.job_store, self.epoch, self.member)
         start = time.perf_counter()
         union = Union(self.old, self.new, self.lost)
         self.members = union.members
@@ -263,13 +273,14 @@ class Reconfiguration:
         self.seconds["plan"] = time.perf_counter() - start
         self._digest = change_digest(self.spec, self.old, self.new, self.lost)
         agree_on_digest(
-            self.store, epoch=self.epoch, member=self.member, members=self.members,
+            self.job_store, epoch=self.epoch, member=self.member, members=self.members,
             digest=self._digest, budget=self.budget, verification=self.verification,
             timeout=self.deadlines.prepare,
         )  # fmt: skip
         start = time.perf_counter()
+        tag = self.seal.tag(self.epoch)
         self.union = union_group(
-            self.store, epoch=self.epoch, members=self.members, member=self.member,
+            self.store, epoch=self.epoch, tag=tag, members=self.members, member=self.member,
             device=self.device, timeout=self.deadlines.switch,
         )  # fmt: skip
         deadline = time.monotonic() + self.deadlines.prepare
@@ -277,7 +288,7 @@ class Reconfiguration:
         self.schedule = member_schedule(part, traffic, self.budget)
         if self.member in self.new.ranks:
             self.world = World.build(
-                self.store, epoch=self.epoch, layout=self.new, member=self.member,
+                self.store, epoch=self.epoch, tag=tag, layout=self.new, member=self.member,
                 device=self.device, timeout=self.deadlines.op,
             )  # fmt: skip
         self.seconds["groups"] = time.perf_counter() - start
@@ -417,7 +428,7 @@ class Reconfiguration:
                     outcome = outcome or Failure(
                         Cause.VOTE_INCOMPLETE, f"epoch {self.epoch}: {self.member}: {err}"
                     )
-        recorded = settle(self.store, self.epoch, outcome)
+        recorded = settle(self.job_store, self.epoch, outcome)
         # An abort keeps this member's own reason where it has one: the most precise.
         outcome = None if recorded is None else outcome or recorded
         if outcome is None and failure is not None:  # a commit needs every member's yes

@@ -12,8 +12,10 @@ decision with a compare-and-set (`settle`), and every member acts on the one rec
 recorded commit is safe for a member whose own view failed: the all-reduce completed somewhere
 only if every member had voted yes, so every member's shadow is whole and checked. Whoever else
 gives the epoch up (a member dropping it, the operator or the launcher answering a death)
-records an abort the same way, so a late commit can never overtake it. This module decides; the
-switch (`switch.Reconfiguration`) acts on the decision.
+records an abort the same way, so a late commit can never overtake it. The decision is sealed
+with the job's credential under a key only members can name (`sealed`): a process without it can
+neither record one first nor have a member act on one it wrote. This module decides; the switch
+(`switch.Reconfiguration`) acts on the decision.
 """
 
 from __future__ import annotations
@@ -24,15 +26,16 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
-from torch.distributed import AllreduceOptions, ReduceOp, Store
+from torch.distributed import AllreduceOptions, ReduceOp
 
 from liveshard_core.vps.spec import ModelSpec
 
 from . import keys
 from .backend import Group
 from .checksum import Checksums, MovedSums
-from .errors import Cause
+from .errors import Cause, ForgedValue
 from .modes import Verification
+from .sealed import JobStore
 
 
 @dataclass(frozen=True)
@@ -135,16 +138,19 @@ def decide(
     return None
 
 
-def settle(store: Store, epoch: int, proposal: Failure | None) -> Failure | None:
-    """Record `proposal` (None: commit) as `epoch`'s decision unless one was recorded first, and
-    return the recorded one: the decision every member acts on. A member that cannot reach the
-    store aborts (its view of a commit cannot be confirmed)."""
+def settle(store: JobStore, epoch: int, proposal: Failure | None) -> Failure | None:
+    """Record `proposal` (None: commit) as `epoch`'s decision, sealed, unless one was recorded
+    first, and return the recorded one: the decision every member acts on. A member that cannot
+    reach the store aborts (its view of a commit cannot be confirmed), and so does one that finds
+    a decision without the job's seal recorded first (`ForgedValue`): it is never acted on, and
+    every member reads the same one."""
     mine = {"commit": True} if proposal is None else {
         "cause": proposal.cause.value, "reason": proposal.reason
     }  # fmt: skip
+    key = keys.decision(epoch, store.tag(epoch))
     try:
-        recorded = json.loads(store.compare_set(keys.decision(epoch), "", json.dumps(mine)))
-    except RuntimeError as err:  # torch's store errors
+        recorded = json.loads(store.first(key, json.dumps(mine)))
+    except (RuntimeError, ForgedValue) as err:  # RuntimeError: torch's store errors
         return proposal or Failure(
             Cause.VOTE_INCOMPLETE, f"epoch {epoch}: the decision could not be recorded: {err}"
         )

@@ -80,6 +80,7 @@ class World:
         store: Store,
         *,
         epoch: int,
+        tag: str,
         layout: Layout,
         member: str,
         device: torch.device,
@@ -88,6 +89,7 @@ class World:
         """Create this member's groups of the world: all ranks, and its tp, dp, pp and ep groups.
 
         Each group has its own store prefix, so members create them in any order and concurrently.
+        `tag` is the epoch's (`sealed.Seal.tag`): every key of an epoch carries it.
         """
         rank = layout.rank_of(member)
         pp_i, dp_i, tp_i = layout.coords(rank)
@@ -105,7 +107,7 @@ class World:
         groups = {
             axis: new_group(
                 store,
-                prefix=keys.group_prefix(epoch, axis.value, key),
+                prefix=keys.group_prefix(epoch, tag, axis.value, key),
                 rank=r,
                 size=size,
                 device=device,
@@ -121,15 +123,17 @@ def union_group(
     store: Store,
     *,
     epoch: int,
+    tag: str,
     members: tuple[str, ...],
     member: str,
     device: torch.device,
     timeout: float,
 ) -> Group:
-    """The group over old and new members that a transfer into epoch `epoch` runs on."""
+    """The group over old and new members that a transfer into epoch `epoch` (tagged `tag`)
+    runs on."""
     slot = members.index(member)
     return new_group(
-        store, prefix=keys.union_prefix(epoch), rank=slot, size=len(members), device=device,
+        store, prefix=keys.union_prefix(epoch, tag), rank=slot, size=len(members), device=device,
         timeout=timeout,
     )  # fmt: skip
 

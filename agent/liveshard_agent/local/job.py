@@ -2,15 +2,18 @@
 share (it goes to each process when it is spawned, so everything in it pickles).
 
 It holds the job's configuration (`liveshard_core.job.JobConfig`), the members at the start, the
-scripted switches (`--switch STEP:LAYOUT`) and kills (`--kill STEP:RANK`, `faults`), and what to
-save or report; `LocalJob.check` refuses, before any process starts, what no member could run.
-This module describes a job; it must not start or drive one.
+scripted switches (`--switch STEP:LAYOUT`) and kills (`--kill STEP:RANK`, `faults`), what to
+save or report, and the job's secret: drawn for each job, it reaches the members with the job and
+seals what they act on in the job's store (`engine.sealed`), as the job's token does on
+Kubernetes; no repr shows it. `LocalJob.check` refuses, before any process starts, what no member
+could run. This module describes a job; it must not start or drive one.
 """
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,10 +25,12 @@ from liveshard_core.layout.layout import Degrees, parse_degrees
 from liveshard_core.vps.presets import resolve_model
 from liveshard_core.vps.spec import ModelSpec
 
+from ..engine.sealed import Seal
 from ..engine.switch import SwitchHooks
 from .faults import ScriptedKill
 
 LOCAL_DEADLINES = Deadlines(op=60.0, switch=120.0, prepare=300.0)
+JOB_NAME = "local"  # every local job's name, in its log lines and its seal
 
 HooksFactory = Callable[[str], SwitchHooks]  # a member's name to its switch hooks
 
@@ -85,6 +90,11 @@ class LocalJob:
     # functools.partial of one).
     hooks: HooksFactory | None = None
     kills: tuple[ScriptedKill, ...] = ()  # --kill: see `faults`
+    secret: str = field(default_factory=lambda: secrets.token_hex(32), repr=False, compare=False)
+
+    def seal(self) -> Seal:
+        """The seal of the job's values in its store, the same in the driver and every member."""
+        return Seal.of(self.secret, JOB_NAME)
 
     @property
     def settings(self) -> TrainingSettings:

@@ -58,6 +58,7 @@ from liveshard_core.policy.model import state_bytes_per_layer
 from liveshard_core.policy.rebalance import GROW, PACK, REBALANCE, CostWindow, propose
 
 from ..data.builtin import PRESET
+from ..engine.sealed import JobStore
 from ..engine.vote import Failure, settle
 from ..engine.world import StoreAddress
 from ..runtime.change import Change
@@ -116,6 +117,7 @@ class Driver:
             HOST, 0, None, True, timedelta(seconds=job.deadlines.op), wait_for_workers=False
         )
         self.address = StoreAddress(HOST, self.store.port)
+        self.sealed = JobStore(self.store, job.seal())
         self.processes: dict[str, _Process] = {}
         self.names = (f"w{i}" for i in range(1 << 30))
         self.layout: Layout | None = None
@@ -262,7 +264,7 @@ class Driver:
             and process.name in union_members(change.old, change.new)
         ):
             why = Failure(Cause.PEER_FAILED, f"epoch {change.epoch}: {process.name} died")
-            if settle(self.store, change.epoch, why) is not None:
+            if settle(self.sealed, change.epoch, why) is not None:
                 if process.name not in self.layout.members:
                     self._bury([process])  # a joining member: the switch aborts without it
                     return

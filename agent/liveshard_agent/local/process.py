@@ -25,7 +25,7 @@ from ..runtime.events import Checkpointed, CheckpointFailed, Event, Report, Step
 from ..runtime.loop import Command, Prepare, run_member
 from ..runtime.member import Member
 from .faults import Faults, combine
-from .job import LocalJob
+from .job import JOB_NAME, LocalJob
 
 
 @dataclass(frozen=True)
@@ -64,8 +64,8 @@ def member_main(name: str, index: int, job: LocalJob, conn: Connection) -> None:
         hooks = combine(job.hooks(name) if job.hooks is not None else None, faults.hooks())
         member = Member(
             name=name, spec=job.spec(), settings=job.settings, device=device,
-            deadlines=job.deadlines, job="local", checksums=job.checksums, hooks=hooks,
-            hf=job_model(job.config), pretrained=job.config.pretrained,
+            deadlines=job.deadlines, job=JOB_NAME, checksums=job.checksums, hooks=hooks,
+            hf=job_model(job.config), pretrained=job.config.pretrained, seal=job.seal(),
         )  # fmt: skip
         faults.member = member
         run_member(

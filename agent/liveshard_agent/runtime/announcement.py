@@ -6,20 +6,23 @@ it from the same scalars; a broken world's first survivor announces the recovery
 (with the sums that let survivors one update behind finish it). A member that gives a change up
 announces an abort (`AbortAnnounced`), so that members waiting for the announcement do not wait
 in vain. The first announcement of an epoch stands (a compare-and-set), so every member reads
-the same one. This module only writes and reads announcements; it must not decide them.
+the same one. Announcements are sealed with the job's credential (`engine.sealed`): one without
+the seal is refused (`ForgedValue`), never acted on. This module only writes and reads
+announcements; it must not decide them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from typing import Any
 
-from torch.distributed import Store
-
 from liveshard_core.job import Cause
 
 from ..engine import keys
+from ..engine.errors import ForgedValue
+from ..engine.sealed import JobStore
 from .trainer import Scalars
 
 
@@ -44,15 +47,19 @@ class AbortAnnounced:
 Announcement = SwitchAnnounced | AbortAnnounced
 
 
-def announce(store: Store, epoch: int, announcement: Announcement) -> None:
+def announce(store: JobStore, epoch: int, announcement: Announcement) -> None:
     """Announce a switch or an abort, unless one was announced first for `epoch`."""
-    store.compare_set(keys.announcement(epoch), "", json.dumps(_encode(announcement)))
+    key = keys.announcement(epoch, store.tag(epoch))
+    # A first one without the seal stands too; every reader refuses it (`announced`).
+    with contextlib.suppress(ForgedValue):
+        store.first(key, json.dumps(_encode(announcement)))
 
 
-def announced(store: Store, epoch: int, wait: bool = True) -> Announcement | None:
+def announced(store: JobStore, epoch: int, wait: bool = True) -> Announcement | None:
     """The announcement of `epoch`; without `wait`, None while there is none yet. Waiting lasts
-    up to the store's timeout (the store raises after it)."""
-    key = keys.announcement(epoch)
+    up to the store's timeout (the store raises after it). `ForgedValue` if the one that stands
+    is not sealed."""
+    key = keys.announcement(epoch, store.tag(epoch))
     if not wait and not store.check([key]):
         return None
     return _decode(json.loads(store.get(key)))

@@ -20,8 +20,11 @@ survivors meet in its store (`recovery`). A recovery supersedes a pending change
 
 What a member is doing is its `state` (`MemberState`), read from what it holds: a trainer (a
 world), a pending change, a breakage. The store a change's members meet in is the member's
-`store` when the change is requested; the caller sets it (`use_store`) for each epoch. This
-module drives the member; it returns what happened as `events` and must not print or send them.
+`store` when the change is requested; the caller sets it (`use_store`) for each epoch. What the
+members act on there is sealed with the job's `seal` (`engine.sealed`), which the caller gives
+from the job's credential; a value without it is refused, and the change it belongs to is given
+up. This module drives the member; it returns what happened as `events` and must not print or
+send them.
 """
 
 from __future__ import annotations
@@ -45,13 +48,15 @@ from liveshard_core.vps.hf import HfModel
 from liveshard_core.vps.spec import ModelSpec
 
 from ..engine import keys
+from ..engine.errors import ForgedValue
 from ..engine.record import context_logger
+from ..engine.sealed import JobStore, Seal
 from ..engine.switch import Reconfiguration, SwitchHooks, SwitchResult
 from ..engine.vote import Failure, settle
 from ..engine.world import World, close_in_background
 from . import checkpoint, recovery
 from .agreement import NONE, Readiness
-from .announcement import AbortAnnounced, SwitchAnnounced, announce, announced
+from .announcement import AbortAnnounced, Announcement, SwitchAnnounced, announce, announced
 from .change import HELD, Change, Pending, max_over_world, state_digest
 from .data import job_dataset, tokenizer_of
 from .events import Checkpointed, CheckpointFailed, Switched
@@ -98,10 +103,14 @@ class Member:
         checksums: bool = False,
         hf: HfModel | None = None,
         pretrained: bool = False,
+        seal: Seal | None = None,
     ) -> None:
+        """`seal`: the job's (`Seal.of` its credential and name), the same for every member;
+        without one, a seal from the job's name alone, which anyone can forge."""
         self.name, self.spec, self.settings = name, spec, settings
         self.device, self.job = device, job
         self._store = store
+        self.seal = seal or Seal.of("", job)
         self.deadlines = deadlines or Deadlines()
         self.hooks = hooks or SwitchHooks()
         self.checksums = checksums  # compare whole-state checksum totals around each switch
@@ -130,6 +139,11 @@ class Member:
     def use_store(self, store: Store) -> None:
         """The store of the next world or change."""
         self._store = store
+
+    @property
+    def job_store(self) -> JobStore:
+        """The store, with the job's seal on what is written and read there."""
+        return JobStore(self.store, self.seal)
 
     @property
     def state(self) -> MemberState:
@@ -181,7 +195,7 @@ class Member:
         try:
             state, scalars = checkpoint.load(
                 self.spec, layout, layout.rank_of(self.name), self.device, directory,
-                store=self.store, prefix=keys.restore_prefix(epoch),
+                store=self.store, prefix=keys.restore_prefix(epoch, self.seal.tag(epoch)),
                 timeout=self.deadlines.prepare,
             )  # fmt: skip
         except checkpoint.CheckpointError:
@@ -196,8 +210,8 @@ class Member:
         self.settings.micro_batches(layout.dp)  # refuse a layout the global batch cannot fill
         self._set_epoch(epoch)
         return World.build(
-            self.store, epoch=epoch, layout=layout, member=self.name, device=self.device,
-            timeout=self.deadlines.op,
+            self.store, epoch=epoch, tag=self.seal.tag(epoch), layout=layout, member=self.name,
+            device=self.device, timeout=self.deadlines.op,
         )  # fmt: skip
 
     def _set_epoch(self, epoch: int) -> None:
@@ -256,8 +270,8 @@ class Member:
         if at is None or trainer.scalars.step < at:  # every member's switch step is the same
             return events
         if self.speaks:
-            announce(self.store, epoch, SwitchAnnounced(trainer.scalars.step, trainer.scalars))
-        announcement = announced(self.store, epoch)
+            announce(self.job_store, epoch, SwitchAnnounced(trainer.scalars.step, trainer.scalars))
+        announcement = self._announced(epoch)
         assert announcement is not None
         if isinstance(announcement, AbortAnnounced):  # first by a member that could not go on
             events.append(self.drop(epoch, announcement.reason))
@@ -302,7 +316,8 @@ class Member:
         trainer = self.trainer
         assert trainer is not None, f"{self.name} is standing by"
         start = time.perf_counter()
-        prefix = keys.checkpoint_prefix(self.epoch, trainer.scalars.step, number)
+        tag = self.seal.tag(self.epoch)
+        prefix = keys.checkpoint_prefix(self.epoch, tag, trainer.scalars.step, number)
         checkpoint.save(
             trainer.state, trainer.scalars, self.settings, directory, store=self.store,
             prefix=prefix, timeout=self.deadlines.prepare, hf=self.hf,
@@ -362,7 +377,7 @@ class Member:
             spec=self.spec, old=change.old, new=change.new, member=self.name, store=self.store,
             epoch=change.epoch, device=self.device, budget=change.budget, deadlines=self.deadlines,
             lost=change.lost, verify=change.verify, job=self.job,
-            hooks=dataclasses.replace(self.hooks, before_vote=self._before_vote),
+            hooks=dataclasses.replace(self.hooks, before_vote=self._before_vote), seal=self.seal,
         )  # fmt: skip
         self.pending = Pending(
             change, reconfig, reconfig.prepare_in_background(), time.perf_counter()
@@ -384,10 +399,10 @@ class Member:
         pending = self._pending_epoch(epoch)
         self.pending = None
         pending.reconfig.abort()
-        settle(self.store, epoch, Failure(cause, reason))
+        settle(self.job_store, epoch, Failure(cause, reason))
         if self.speaks or self.broken is not None:
             with contextlib.suppress(RuntimeError):  # torch's: the store is gone, none reads it
-                announce(self.store, epoch, AbortAnnounced(reason))
+                announce(self.job_store, epoch, AbortAnnounced(reason))
         return pending.settled(
             step=self.step, result=Result.ABORTED, cause=cause, reason=reason, pause=0.0,
             report=self.speaks, digests={},
@@ -434,14 +449,14 @@ class Member:
             reason, cause = failure
             if self.broken is not None:
                 said = AbortAnnounced(f"{self.name}: {reason}", cause or Cause.VOTE_NO)
-                announce(self.store, pending.change.epoch, said)
+                announce(self.job_store, pending.change.epoch, said)
             return pending.settled(
                 step=self.step, result=Result.ABORTED, cause=cause, reason=reason, pause=0,
                 report=False, digests={},
             )  # fmt: skip
         if self.broken is not None:
             self._meet_survivors(pending)
-        announcement = announced(self.store, pending.change.epoch, wait=False)
+        announcement = self._announced(pending.change.epoch, wait=False)
         if announcement is None:
             pending.waiting_since = pending.waiting_since or start
             if start - pending.waiting_since < self.deadlines.prepare:
@@ -492,13 +507,22 @@ class Member:
         change, trainer = pending.change, self.trainer
         if not pending.published and self.broken is not None and trainer is not None:
             report = BreakReport(trainer.scalars, self.broken, trainer.optimizer.summed)
-            recovery.publish(self.store, change.epoch, self.name, report)
+            recovery.publish(self.job_store, change.epoch, self.name, report)
             pending.published = True
         recovery.decide(
-            self.store, epoch=change.epoch, member=self.name,
+            self.job_store, epoch=change.epoch, member=self.name,
             survivors=[m for m in change.old.members if m not in change.lost],
             broken_at=self._broken_at, deadline=self.deadlines.prepare,
         )  # fmt: skip
+
+    def _announced(self, epoch: int, wait: bool = True) -> Announcement | None:
+        """The announcement of `epoch`; one without the job's seal reads as an abort: no member
+        acts on what it says, and every member reads the same one, so all give the change up."""
+        try:
+            return announced(self.job_store, epoch, wait)
+        except ForgedValue as err:
+            self.log.warning("%s", err)
+            return AbortAnnounced(str(err), err.cause)
 
     def _give_up(self, reason: str) -> Switched:
         """Every old member drops the pending change (some member failed to prepare)."""
@@ -521,8 +545,9 @@ class Member:
         result: SwitchResult = pending.reconfig.switch(old_state)
         self.pending = None
         if not result.committed:
-            assert trainer is not None and result.state is not None
-            if self.broken is None or result.state is not trainer.state:
+            # A joining member has nothing to keep: it stands by again.
+            if trainer is not None and (self.broken is None or result.state is not trainer.state):
+                assert result.state is not None
                 trainer.bind(result.state, trainer.world)  # the same state, kept as it was
             elapsed = time.perf_counter() - boundary
             pause = elapsed if self.broken is not None else self._max_over_world(elapsed)

@@ -8,7 +8,10 @@ members `lost`) meet in the recovery's store instead: each publishes a `BreakRep
 scalars, its breakage and the sums of its last update), and the lowest-ranked survivor announces
 (`announcement`) the switch at their common step, or an abort when their states differ (some took
 the step's update and some did not; an update was cut in half) and only a checkpoint can restore
-the job (`recovery_decision`). This module decides and exchanges; the member acts on the result.
+the job (`recovery_decision`). Reports are sealed with the job's credential (`engine.sealed`): one
+without the seal is refused and counts as not published (the survivor's own, written after it,
+replaces it), so no process without the credential can change the step or the sums a recovery
+goes on from. This module decides and exchanges; the member acts on the result.
 """
 
 from __future__ import annotations
@@ -18,11 +21,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from torch.distributed import Store
-
 from liveshard_core.job import Cause
 
 from ..engine import keys
+from ..engine.errors import ForgedValue
+from ..engine.sealed import JobStore
 from .announcement import AbortAnnounced, Announcement, SwitchAnnounced, announce
 from .trainer import Scalars
 
@@ -86,13 +89,13 @@ def recovery_decision(reports: dict[str, BreakReport]) -> Announcement:
     )
 
 
-def publish(store: Store, epoch: int, member: str, report: BreakReport) -> None:
+def publish(store: JobStore, epoch: int, member: str, report: BreakReport) -> None:
     """Tell the recovery `epoch` where `member`'s world broke."""
-    store.set(keys.breakage(epoch, member), report.to_json())
+    store.put(keys.breakage(epoch, store.tag(epoch), member), report.to_json())
 
 
 def decide(
-    store: Store,
+    store: JobStore,
     *,
     epoch: int,
     survivors: list[str],
@@ -103,18 +106,39 @@ def decide(
     """The lowest-ranked of `survivors` announces the recovery `epoch` once every survivor has
     said where its world broke; it announces an abort when some have not within `deadline`
     seconds of its own world breaking (at `broken_at`, a `time.perf_counter()`). Other members
-    do nothing."""
+    do nothing. A report without the job's seal counts as not published."""
     if member != survivors[0]:
         return
-    published = {m: keys.breakage(epoch, m) for m in survivors}
-    if not store.check(list(published.values())):
-        if time.perf_counter() - broken_at < deadline:
-            return
-        missing = [m for m, key in published.items() if not store.check([key])]
-        announce(store, epoch, AbortAnnounced(
-            f"survivors {missing} did not say where their world broke within {deadline} s",
-            Cause.DEADLINE_PASSED,
-        ))  # fmt: skip
+    tag = store.tag(epoch)
+    published = {m: keys.breakage(epoch, tag, m) for m in survivors}
+    complete = store.check(list(published.values()))
+    if not complete and time.perf_counter() - broken_at < deadline:
         return
-    reports = {m: BreakReport.from_json(store.get(key)) for m, key in published.items()}
-    announce(store, epoch, recovery_decision(reports))
+    reports, refused = _read(store, published)
+    if len(reports) == len(survivors):
+        announce(store, epoch, recovery_decision(reports))
+        return
+    if time.perf_counter() - broken_at < deadline:
+        return  # a forged report: the survivor's own replaces it (`publish` sets, last stands)
+    missing = [m for m in survivors if m not in reports]
+    why = "".join(f"; {err}" for err in refused)
+    announce(store, epoch, AbortAnnounced(
+        f"survivors {missing} did not say where their world broke within {deadline} s{why}",
+        Cause.DEADLINE_PASSED,
+    ))  # fmt: skip
+
+
+def _read(
+    store: JobStore, published: dict[str, str]
+) -> tuple[dict[str, BreakReport], list[ForgedValue]]:
+    """The reports published so far, and the values refused for want of the job's seal."""
+    reports: dict[str, BreakReport] = {}
+    refused: list[ForgedValue] = []
+    for member, key in published.items():
+        if not store.check([key]):
+            continue
+        try:
+            reports[member] = BreakReport.from_json(store.get(key))
+        except ForgedValue as err:
+            refused.append(err)
+    return reports, refused

@@ -6,7 +6,8 @@ token: a secret on the command line is visible to every process on the node).
     LIVESHARD_POD_IP   the address it serves on and hosts stores on (the pod's IP)
     LIVESHARD_PORT     the API's port (default 7070)
     LIVESHARD_METRICS_PORT  the port of its Prometheus metrics (default 9400; 0: none)
-    LIVESHARD_TOKEN    the job's token; every call must carry it
+    LIVESHARD_TOKEN    the job's token; every call must carry it, and it seals what members act
+                       on in the job's store (`engine.sealed`)
     LIVESHARD_CONFIG   JSON: what the job trains and how it switches (`JobConfig.from_json`)
     LIVESHARD_LOG_FORMAT  text (default) or json: one JSON object per log line
 

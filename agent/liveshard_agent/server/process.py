@@ -23,6 +23,7 @@ from liveshard_core.layout.layout import Layout
 
 from ..data.builtin import job_model
 from ..engine.record import context_logger
+from ..engine.sealed import Seal
 from ..engine.world import host_store
 from ..export import export
 from ..runtime.events import Checkpointed, Event, Report
@@ -69,6 +70,7 @@ def serve(config: AgentConfig, board: StatusBoard) -> int:
             name=config.member, spec=spec, settings=job_config.training, device=device,
             deadlines=job_config.deadlines, job=config.job,
             hf=job_model(job_config), pretrained=job_config.pretrained,
+            seal=Seal.of(config.token, config.job),
         )  # fmt: skip
     except InvalidInput as err:  # the data file: missing, or too short for the sequence length
         raise ConfigError(f"LIVESHARD_CONFIG: training: {err}") from None

@@ -164,8 +164,9 @@ def switch(
     old_world = None
     if train and member in old_layout.ranks:
         old_world = World.build(
-            store, epoch=epoch + 10_000, layout=old_layout, member=member, device=CPU, timeout=20
-        )
+            store, epoch=epoch + 10_000, tag="test", layout=old_layout, member=member, device=CPU,
+            timeout=20,
+        )  # fmt: skip
     steps = 0
     try:
         preparing = reconfig.prepare_in_background()

@@ -109,7 +109,9 @@ def step(
     rank = shape.rank_of(member)
     store = CONTEXT.get("store") or connect_store(StoreAddress("127.0.0.1", port), timeout=30)
     CONTEXT["world"] = None  # the previous task's groups go first
-    world = World.build(store, epoch=epoch, layout=shape, member=member, device=CPU, timeout=60)
+    world = World.build(
+        store, epoch=epoch, tag="test", layout=shape, member=member, device=CPU, timeout=60
+    )
     CONTEXT["world"] = world
     trainer = Trainer(
         state=initial_state(spec, shape, rank, training.seed, CPU), world=world,

@@ -5,12 +5,16 @@ equal a one-process run's and every sample is fed once (`assert_same_training`).
 
 A switch's decision is recorded once in the store (`engine.vote.settle`): a member dying before
 the decision aborts the switch everywhere, one dying after it leaves the others committed and is
-recovered from in the new layout.
+recovered from in the new layout. What members act on in the store is sealed with the job's
+secret (`engine.sealed`): a process without it can neither abort a switch nor steer one.
 """
 
 from __future__ import annotations
 
+import json
+import secrets
 from dataclasses import replace
+from datetime import timedelta
 from functools import partial
 from typing import Any
 
@@ -18,7 +22,12 @@ import pytest
 
 pytest.importorskip("torch", reason="the runtime needs torch (the agent extra)")
 
-from liveshard_agent.local.launcher import parse_kill, run_job
+from torch.distributed import TCPStore
+
+from liveshard_agent.engine import keys
+from liveshard_agent.local.launcher import Driver, parse_kill, run_job
+from liveshard_agent.local.output import Line
+from liveshard_agent.runtime.trainer import Scalars
 from liveshard_core.job import Deadlines
 from tests.agent.runtime.faults import loses_the_vote
 from tests.agent.runtime.test_training import assert_same_training, job, switches
@@ -76,4 +85,47 @@ def test_a_stopped_member_is_found_silent_killed_and_replaced() -> None:
     assert silent["member"] == lost["member"] == "w2" and lost["exit_code"] == -9
     (recovery,) = [e for e in switches(events) if e["lost"]]
     assert recovery["result"] == "committed" and recovery["step"] == 10
+    assert_same_training("tiny", events)
+
+
+def test_a_process_without_the_job_secret_can_neither_abort_nor_steer_a_switch() -> None:
+    """Before the job starts, a plain store client without the job's secret writes an abort at
+    every key of the first three epochs it can name (their untagged names, and a guessed tag),
+    and claims each epoch for every member; the test, which knows the secret, also puts values
+    without the job's seal at the true keys of the first two switches: a raw abort decision
+    (epoch 1), and an announcement to switch at step 0 sealed but with its MAC altered (epoch 2).
+    Those two switches abort without acting on what the values say, naming the key; the third
+    commits; the training is unchanged. Up to 3 processes (each switch adds a member)."""
+    scripted = job("tiny", "dp=2", "8:dp=3", "16:dp=3", "24:dp=3")
+    events: list[Line] = []
+    driver = Driver(scripted, events.append)
+    forger = TCPStore("127.0.0.1", driver.address.port, None, False, timedelta(seconds=10))
+    abort = json.dumps({"cause": "vote_no", "reason": "forged", "abort": "forged"})
+    for epoch in (1, 2, 3):
+        for scope in (f"liveshard/{epoch}", f"liveshard/{epoch}/{secrets.token_hex(8)}"):
+            forger.set(f"{scope}/decision", abort)
+            forger.set(f"{scope}/announce", abort)
+            forger.set(f"{scope}/digest/all", "1")
+            for member in ("w0", "w1", "w2"):
+                forger.add(f"{scope}/claimed/{member}", 1)
+    seal = scripted.seal()
+    decision, announcement = keys.decision(1, seal.tag(1)), keys.announcement(2, seal.tag(2))
+    forger.set(decision, abort)
+    steer = json.dumps({"step": 0, "scalars": Scalars(seed=1).as_dict()})
+    mark, mac, payload = seal.seal(announcement, steer).split(":", 2)
+    forger.set(announcement, f"{mark}:{mac[::-1]}:{payload}")
+    driver.run()
+
+    first, second, third = switches(events)
+    assert [s["epoch"] for s in (first, second, third)] == [1, 2, 3]
+    for aborted, key, why in (
+        (first, decision, "is not sealed"),
+        (second, announcement, "does not carry the job's seal"),
+    ):
+        assert aborted["result"] == "aborted" and aborted["step"] >= 8, aborted
+        assert f"{key!r} in the job's store {why}" in aborted["reason"], aborted
+        assert "forged" not in aborted["reason"]
+    assert third["result"] == "committed", third
+    assert third["checksums"]["before"] == third["checksums"]["after"]
+    assert layouts(events) == ["dp=2,tp=1,pp=1,ep=1,zero=0", "dp=3,tp=1,pp=1,ep=1,zero=0"]
     assert_same_training("tiny", events)

@@ -10,6 +10,9 @@ that broke is trained once, after the recovery. Each job starts up to 6 processe
 
 from __future__ import annotations
 
+import json
+import re
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -21,6 +24,8 @@ import torch
 from torch.distributed import TCPStore
 
 from liveshard_agent.engine import keys
+from liveshard_agent.engine.errors import ForgedValue
+from liveshard_agent.engine.sealed import JobStore, Seal
 from liveshard_agent.engine.world import World
 from liveshard_agent.local.launcher import ScriptedKill, parse_kill, run_job
 from liveshard_agent.runtime import optimizer as optimizer_module
@@ -31,7 +36,13 @@ from liveshard_agent.runtime.announcement import (
     announced,
 )
 from liveshard_agent.runtime.data import Dataset, load_corpus
-from liveshard_agent.runtime.recovery import Breakage, BreakReport, publish, recovery_decision
+from liveshard_agent.runtime.recovery import (
+    Breakage,
+    BreakReport,
+    decide,
+    publish,
+    recovery_decision,
+)
 from liveshard_agent.runtime.trainer import Scalars, Trainer, initial_state
 from liveshard_core.job import Cause, TrainingSettings
 from liveshard_core.layout.layout import Layout
@@ -113,16 +124,69 @@ def test_survivors_switch_at_their_last_step_or_learn_why_there_is_none(
         assert why in decision.reason and "restore from a checkpoint" in decision.reason
 
 
+SEAL = Seal.of("the job's token", "job")
+
+
+def job_store() -> JobStore:
+    raw = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
+    return JobStore(raw, SEAL)
+
+
 def test_a_break_report_and_an_announcement_survive_the_store_unchanged() -> None:
-    store = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
+    store = job_store()
     sent = report(7, unfinished=True)
     publish(store, 3, "m1", sent)
-    assert BreakReport.from_json(store.get(keys.breakage(3, "m1"))) == sent
+    assert BreakReport.from_json(store.get(keys.breakage(3, SEAL.tag(3), "m1"))) == sent
     assert announced(store, 3, wait=False) is None
     decision = SwitchAnnounced(8, sent.scalars, (4.0, 2.5, 0.0))
     announce(store, 3, decision)
     announce(store, 3, AbortAnnounced("too late: the first announcement stands"))
     assert announced(store, 3) == decision
+
+
+def test_a_recovery_never_goes_on_from_reports_or_announcements_without_the_seal() -> None:
+    """A process that reaches the store without the job's credential writes what would stop the
+    recovery (reports of an update cut in half, an abort) where it can: at the keys' untagged
+    names, and at a true key with another job's seal. Nothing of it is acted on."""
+    store = job_store()
+    raw, survivors, lie = store.store, ["m0", "m1"], report(7, whole=False)
+    other = Seal.of("another job's token", "job")
+
+    def forge(epoch: int) -> str:
+        for member in survivors:
+            raw.set(f"liveshard/{epoch}/broken/{member}", lie.to_json())
+        raw.set(f"liveshard/{epoch}/announce", json.dumps({"abort": "forged"}))
+        key = keys.breakage(epoch, SEAL.tag(epoch), "m1")
+        raw.set(key, other.seal(key, lie.to_json()))
+        return key
+
+    def first_survivor_decides(epoch: int, broke_ago: float) -> None:
+        decide(
+            store, epoch=epoch, survivors=survivors, member="m0",
+            broken_at=time.perf_counter() - broke_ago, deadline=30,
+        )  # fmt: skip
+
+    forge(4)
+    publish(store, 4, "m0", report(7))
+    first_survivor_decides(4, broke_ago=0)
+    assert announced(store, 4, wait=False) is None  # m1's report is not sealed: not said yet
+    publish(store, 4, "m1", report(7))  # m1's own replaces it
+    first_survivor_decides(4, broke_ago=0)
+    assert announced(store, 4) == SwitchAnnounced(7, report(7).scalars)
+
+    # A report that stays unsealed until the deadline: the recovery aborts, naming its key.
+    key = forge(5)
+    publish(store, 5, "m0", report(7))
+    first_survivor_decides(5, broke_ago=31)
+    aborted = announced(store, 5)
+    assert isinstance(aborted, AbortAnnounced) and aborted.cause is Cause.DEADLINE_PASSED
+    assert "survivors ['m1'] did not say" in aborted.reason and key in aborted.reason
+
+    # An announcement that is not sealed is refused, naming its key.
+    key = keys.announcement(6, SEAL.tag(6))
+    raw.set(key, json.dumps({"step": 7, "scalars": report(7).scalars.as_dict()}))
+    with pytest.raises(ForgedValue, match=re.escape(key)):
+        announced(store, 6)
 
 
 # ---- an update cut in its all-reduce, finished alone ----
@@ -132,7 +196,9 @@ def one_member(store: TCPStore, epoch: int) -> Trainer:
     spec = preset("tiny")
     layout = Layout.create(spec, ["m0"], dp=1)
     device = torch.device("cpu")
-    world = World.build(store, epoch=epoch, layout=layout, member="m0", device=device, timeout=30)
+    world = World.build(
+        store, epoch=epoch, tag="test", layout=layout, member="m0", device=device, timeout=30
+    )
     settings = TrainingSettings(steps=10)
     return Trainer(
         state=initial_state(spec, layout, 0, settings.seed, device), world=world,
