@@ -2,14 +2,16 @@
 
 Objects are handled as the API's plain JSON (the typed models rename fields). Credentials come from
 `kubernetes.config`: the kubeconfig that `KUBECONFIG` names, or the pod's service account in a
-cluster. kopf keeps its own connection for watching; this one is for the controller's reads and
-writes from its thread.
+cluster, whose token the kubelet rotates: it is read from its file again whenever the file
+changes, so a long-running operator never presents an expired token. kopf keeps its own
+connection for watching; this one is for the controller's reads and writes from its thread.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 from typing import Any
 from urllib.parse import urlencode
 
@@ -20,6 +22,7 @@ from kubernetes import config as k8s_config
 from .render import GROUP, PLURAL, VERSION
 
 MERGE = "application/merge-patch+json"
+SERVICE_ACCOUNT_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"  # kubelet rotates it
 
 
 class ApiError(RuntimeError):
@@ -48,6 +51,7 @@ class JsonApi:
         server: str,
         *,
         token: str | None = None,
+        token_file: str | None = None,
         ca_file: str | None = None,
         cert_file: str | None = None,
         key_file: str | None = None,
@@ -62,6 +66,11 @@ class JsonApi:
             self.headers["Authorization"] = (
                 token if token.startswith("Bearer") else f"Bearer {token}"
             )
+        self.token_file = token_file  # read again when it changes (a rotated token)
+        self._token_read: tuple[int, int, int] | None = (
+            None  # the file when read: mtime, inode, size
+        )
+        self._token_lock = threading.Lock()
         self.pool = urllib3.PoolManager(
             maxsize=pool_size,
             ca_certs=ca_file,
@@ -83,6 +92,7 @@ class JsonApi:
     ) -> Any:
         """One request; the decoded JSON answer, or `ApiError`."""
         url = self.server + path + (f"?{urlencode(query)}" if query else "")
+        self._refresh_token()
         headers = dict(self.headers)
         data = None
         if body is not None:
@@ -96,6 +106,23 @@ class JsonApi:
             raise ApiError(method, path, resp.status, text)
         return json.loads(text) if text else None
 
+    def _refresh_token(self) -> None:
+        """Read the token file again if it changed since the last request (when it cannot be
+        read, the last token read stays)."""
+        if self.token_file is None:
+            return
+        with self._token_lock:
+            try:
+                info = os.stat(self.token_file)
+                seen = (info.st_mtime_ns, info.st_ino, info.st_size)
+                if seen != self._token_read:
+                    with open(self.token_file) as f:
+                        token = f.read().strip()
+                    self.headers["Authorization"] = f"Bearer {token}"
+                    self._token_read = seen
+            except OSError:
+                pass
+
 
 class Kube(JsonApi):
     """The operator's requests: the objects the controller reads and writes."""
@@ -106,12 +133,15 @@ class Kube(JsonApi):
         configuration = k8s_client.Configuration()
         if os.environ.get("KUBECONFIG"):
             k8s_config.load_kube_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+            token_file = None
         else:
             k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+            token_file = SERVICE_ACCOUNT_TOKEN
         api_key = configuration.api_key or {}
         return cls(
             configuration.host,
             token=api_key.get("authorization") or api_key.get("BearerToken"),
+            token_file=token_file,
             ca_file=configuration.ssl_ca_cert,
             cert_file=configuration.cert_file,
             key_file=configuration.key_file,

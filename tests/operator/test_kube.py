@@ -1,0 +1,62 @@
+"""The operator's API client against a real HTTP server: a rotated service-account token is
+presented from the next request on."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+from liveshard_operator.kube import JsonApi
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[str, list[str]]]:
+    """An HTTP server answering `{}` to every GET; the Authorization headers it saw."""
+    seen: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(self.headers.get("Authorization", ""))
+            body = json.dumps({}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_port}", seen
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_a_rotated_token_file_is_read_again(server: tuple[str, list[str]], tmp_path: Path) -> None:
+    url, seen = server
+    token = tmp_path / "token"
+    token.write_text("first-token\n")
+    api = JsonApi(url, token="ignored-once-the-file-is-read", token_file=str(token))
+    api.request("GET", "/api")
+    api.request("GET", "/api")
+    # The kubelet swaps the file atomically (a new inode), with a token of the same length.
+    rotated = tmp_path / "token.new"
+    rotated.write_text("other-token\n")
+    os.replace(rotated, token)
+    api.request("GET", "/api")
+    token.unlink()  # unreadable: the last token read stays
+    api.request("GET", "/api")
+    assert seen == ["Bearer first-token"] * 2 + ["Bearer other-token"] * 2
+
+
+def test_without_a_token_file_the_given_token_is_presented(server: tuple[str, list[str]]) -> None:
+    url, seen = server
+    JsonApi(url, token="static").request("GET", "/api")
+    assert seen == ["Bearer static"]
