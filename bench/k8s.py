@@ -63,19 +63,30 @@ def _status(kube: Kube) -> dict[str, Any]:
     return dict((kube.get(path) or {}).get("status") or {})
 
 
-def _token(kube: Kube) -> str:
-    secret = kube.get(f"/api/v1/namespaces/{NAMESPACE}/secrets/{JOB}-token")
+def _secret(kube: Kube, name: str) -> dict[str, bytes]:
+    secret = kube.get(f"/api/v1/namespaces/{NAMESPACE}/secrets/{name}")
     assert secret is not None
-    return base64.b64decode(secret["data"]["token"]).decode()
+    return {key: base64.b64decode(value) for key, value in secret["data"].items()}
+
+
+def _token(kube: Kube) -> str:
+    return _secret(kube, f"{JOB}-token")["token"].decode()
 
 
 class Agent:
-    """One member's agent, called directly (as the operator does)."""
+    """One member's agent, called directly (as the operator does: over mutual TLS with the
+    operator's client certificate, and with the token)."""
 
     def __init__(self, kube: Kube, member: str) -> None:
         pod = kube.pod(member)
         assert pod is not None
-        self.channel = grpc.insecure_channel(f"{pod['status']['podIP']}:7070")
+        operator = _secret(kube, f"{JOB}-operator-tls")
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=operator["ca.crt"], private_key=operator["tls.key"],
+            certificate_chain=operator["tls.crt"],
+        )  # fmt: skip
+        name = [("grpc.ssl_target_name_override", f"agent.{JOB}.{NAMESPACE}.liveshard")]
+        self.channel = grpc.secure_channel(f"{pod['status']['podIP']}:7070", credentials, name)
         self.stub = pb_grpc.AgentStub(self.channel)
         self.metadata = (("authorization", f"Bearer {_token(kube)}"),)
 

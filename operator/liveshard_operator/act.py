@@ -24,7 +24,7 @@ import grpc
 
 from liveshard_core.errors import InvalidInput
 
-from . import render
+from . import pki, render
 from .actions import (
     AbortOn,
     Action,
@@ -37,7 +37,7 @@ from .actions import (
     Prepare,
     ReleaseMember,
 )
-from .agents import AgentClient, AgentError
+from .agents import AgentClient, AgentError, ClientTls
 from .decision import Decision, checkpointed, hosted, not_hosted, overtaken
 from .kube import ApiError, Kube
 from .spec import JobSpec
@@ -66,11 +66,12 @@ class Executor:
         self.events, self.clients = events, clients
 
     def ensure_objects(self, job: dict[str, Any], spec: JobSpec) -> None:
-        """The job's token Secret, PodDisruptionBudget and (gang scheduled) PodGroup, created
-        when missing. InvalidInput when the job asks for gang scheduling and the cluster has
-        no PodGroup kind."""
+        """The job's token and TLS Secrets, PodDisruptionBudget and (gang scheduled) PodGroup,
+        created when missing. InvalidInput when the job asks for gang scheduling and the cluster
+        has no PodGroup kind."""
         if self.kube.get(self.namespace, "secrets", render.secret_name(self.name)) is None:
             self.kube.create(self.namespace, "secrets", render.token_secret(job))
+        self._ensure_tls(job)
         if self.kube.get(self.namespace, "poddisruptionbudgets", self.name) is None:
             self.kube.create(self.namespace, "poddisruptionbudgets", render.disruption_budget(job))
         if spec.gang and self.kube.get(self.namespace, "podgroups", self.name) is None:
@@ -83,6 +84,56 @@ class Executor:
                     f"spec.scheduling.gang: the cluster serves no PodGroup "
                     f"({render.POD_GROUP_API}): install the scheduler-plugins CRDs"
                 ) from None
+
+    def _ensure_tls(self, job: dict[str, Any]) -> None:
+        """The job's CA and certificates, issued once: the operator's Secret first (it holds the
+        CA's key), then the workers' from that CA. Another replica's Secret, created first, is
+        the one kept (and the one read back)."""
+        operator_name = render.operator_tls_name(self.name)
+        ca: pki.Authority | None = None
+        if self.kube.get(self.namespace, "secrets", operator_name) is None:
+            ca = pki.new_authority()
+            pair = pki.operator_pair(ca)
+            secret = render.operator_tls_secret(job, ca.cert, ca.key, pair.cert, pair.key)
+            if self._create_secret(secret):
+                log.info("job %s: issued its CA and the operator's certificate", self.name)
+            else:
+                ca = None  # another replica's CA won
+            self._client_tls = None
+        if self.kube.get(self.namespace, "secrets", render.agent_tls_name(self.name)) is None:
+            if ca is None:
+                data = self._secret_data(operator_name)
+                ca = pki.Authority(data[render.CA_CERT], data[render.CA_KEY])
+            serving = pki.serving_pair(ca, self.name, self.namespace)
+            self._create_secret(render.agent_tls_secret(job, ca.cert, serving.cert, serving.key))
+
+    def _create_secret(self, secret: dict[str, Any]) -> bool:
+        """Create `secret`; False when it exists already (another replica's pass)."""
+        try:
+            self.kube.create(self.namespace, "secrets", secret)
+        except ApiError as err:
+            if err.status != 409:
+                raise
+            return False
+        return True
+
+    def _secret_data(self, name: str) -> dict[str, bytes]:
+        secret = self.kube.get(self.namespace, "secrets", name)
+        if secret is None:
+            raise ApiError("GET", f"secrets/{name}", 404, "the job's Secret is gone")
+        return {key: base64.b64decode(value) for key, value in (secret.get("data") or {}).items()}
+
+    _client_tls: ClientTls | None = None  # read once per job (its Secret is never rotated)
+
+    def client_tls(self) -> ClientTls:
+        """The operator's side of the job's mutual TLS, from its `<job>-operator-tls` Secret."""
+        if self._client_tls is None:
+            data = self._secret_data(render.operator_tls_name(self.name))
+            self._client_tls = ClientTls(
+                ca=data[render.CA_CERT], cert=data[render.TLS_CERT], key=data[render.TLS_KEY],
+                server_name=pki.server_name(self.name, self.namespace),
+            )  # fmt: skip
+        return self._client_tls
 
     def token(self) -> str:
         """The job's token, which every agent call carries."""

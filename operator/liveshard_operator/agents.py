@@ -1,12 +1,17 @@
 """The operator's side of the agent API (proto/liveshard/v1/agent.proto): one client per agent.
 
-Every call carries the job's token and a deadline; a failed call raises `AgentError` with the
-gRPC status code, retryable when the agent may answer later (unavailable, deadline exceeded).
+The channel is mutual TLS when the job's agents serve it (`ClientTls`: the operator's client
+certificate, and the job's CA and server name to verify the agent by), plaintext for an agent
+started without TLS. Every call carries the job's token and a deadline; a failed call raises
+`AgentError` with the gRPC status code, retryable when the agent may answer later (unavailable,
+deadline exceeded).
 What the agents' messages mean to the operator (a switch's result, its cause) is read in
 `messages`, which needs no channel.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -31,13 +36,39 @@ class AgentError(LiveshardError):
         return self.code in _RETRYABLE
 
 
-class AgentClient:
-    """The agent of one pod, at `host:port`."""
+@dataclass(frozen=True)
+class ClientTls:
+    """What the operator presents to a job's agents and checks them by (PEM)."""
 
-    def __init__(self, member: str, host: str, port: int, token: str, timeout: float = 10.0):
+    ca: bytes  # the job's CA: the agent's certificate must chain to it
+    cert: bytes  # the operator's client certificate
+    key: bytes = field(repr=False)
+    server_name: str  # the name the agent's certificate carries (pod IPs it cannot)
+
+
+class AgentClient:
+    """The agent of one pod, at `host:port`; over mutual TLS with `tls`."""
+
+    def __init__(
+        self,
+        member: str,
+        host: str,
+        port: int,
+        token: str,
+        timeout: float = 10.0,
+        tls: ClientTls | None = None,
+    ) -> None:
         self.member = member
         self.timeout = timeout
-        self.channel = grpc.insecure_channel(f"{host}:{port}")
+        target = f"{host}:{port}"
+        if tls is None:
+            self.channel = grpc.insecure_channel(target)
+        else:
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert
+            )
+            options = [("grpc.ssl_target_name_override", tls.server_name)]
+            self.channel = grpc.secure_channel(target, credentials, options)
         self.stub = pb_grpc.AgentStub(self.channel)  # type: ignore[no-untyped-call]  # generated
         self.metadata = (("authorization", f"Bearer {token}"),)
 

@@ -94,7 +94,10 @@ class JobController:
         except InvalidInput as err:  # the spec asks for what this cluster lacks
             return self._invalid(body, str(err))
         token = self.executor.token()
-        seen = observe(self.kube, self.namespace, self.name, token, spec.port, self.clients)
+        seen = observe(
+            self.kube, self.namespace, self.name, token, spec.port, self.clients,
+            self.executor.client_tls,
+        )  # fmt: skip
         record = Record.from_status(status)
         # The time is read once, after observing, so that every rule of the pass sees the same.
         decision = decide(seen, record, Job(body, spec, model), time.time())

@@ -7,19 +7,27 @@ the rest.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .agents import AgentClient, AgentError
+from .agents import AgentClient, AgentError, ClientTls
 from .kube import Kube
 from .observation import Observation, Pod, gone, node_leaving, pod_of
-from .render import JOB_LABEL
+from .render import JOB_LABEL, serves_tls
 
 
 def observe(
-    kube: Kube, namespace: str, job: str, token: str, port: int, clients: dict[str, AgentClient]
+    kube: Kube,
+    namespace: str,
+    job: str,
+    token: str,
+    port: int,
+    clients: dict[str, AgentClient],
+    tls: Callable[[], ClientTls],
 ) -> Observation:
-    """The job's pods and their agents' status; `clients` caches one client per pod."""
+    """The job's pods and their agents' status; `clients` caches one client per pod, over
+    mutual TLS (`tls`, read when first needed) to every pod whose agent was given it."""
     leaving_nodes = {n["metadata"]["name"] for n in kube.nodes() if node_leaving(n)}
     raw = kube.pods(namespace, f"{JOB_LABEL}={job}")
     for name in set(clients) - {p["metadata"]["name"] for p in raw}:
@@ -31,7 +39,9 @@ def observe(
         if ip and not gone(pod):
             client = clients.get(name)
             if client is None:
-                client = clients[name] = AgentClient(name, ip, port, token, timeout=3.0)
+                client = clients[name] = AgentClient(
+                    name, ip, port, token, timeout=3.0, tls=tls() if serves_tls(pod) else None
+                )
             try:
                 agent = client.status()
             except AgentError as err:

@@ -4,6 +4,9 @@
   environment the agent reads, owned by the job, labelled with the job and the pod's role
   (`standby` until the pod is a member of the world in effect, then `member`);
 - the job's token Secret (every agent call carries the token);
+- the job's two TLS Secrets (the agent API's mutual TLS, `pki`): `<job>-agent-tls`, what every
+  worker holds (the CA certificate, the serving certificate and its key), and
+  `<job>-operator-tls`, what only the operator reads (the CA's key, the operator's client pair);
 - a PodDisruptionBudget, so a drain takes the job's pods one at a time.
 """
 
@@ -26,6 +29,14 @@ JOB_LABEL = f"{GROUP}/job"
 ROLE_LABEL = f"{GROUP}/role"
 MEMBER, STANDBY = "member", "standby"
 TOKEN_KEY = "token"
+# The keys of the TLS Secrets, as kubernetes.io/tls and cert-manager name them.
+CA_CERT, CA_KEY, TLS_CERT, TLS_KEY = "ca.crt", "ca.key", "tls.crt", "tls.key"
+# The agent's TLS variables, each from a key of the agent TLS Secret.
+TLS_ENV = {
+    "LIVESHARD_TLS_CERT": TLS_CERT,
+    "LIVESHARD_TLS_KEY": TLS_KEY,
+    "LIVESHARD_TLS_CA": CA_CERT,
+}
 
 
 def owner(job: dict[str, Any]) -> dict[str, Any]:
@@ -44,18 +55,57 @@ def secret_name(job_name: str) -> str:
     return f"{job_name}-token"
 
 
+def agent_tls_name(job_name: str) -> str:
+    return f"{job_name}-agent-tls"
+
+
+def operator_tls_name(job_name: str) -> str:
+    return f"{job_name}-operator-tls"
+
+
 def token_secret(job: dict[str, Any]) -> dict[str, Any]:
+    return _secret(job, secret_name(job["metadata"]["name"]), {TOKEN_KEY: secrets.token_hex(32)})
+
+
+def agent_tls_secret(
+    job: dict[str, Any], ca_cert: bytes, cert: bytes, key: bytes
+) -> dict[str, Any]:
+    """What every worker of the job gets: never the CA's key, never a client certificate."""
+    data = {CA_CERT: ca_cert, TLS_CERT: cert, TLS_KEY: key}
+    return _secret(job, agent_tls_name(job["metadata"]["name"]), _text(data))
+
+
+def operator_tls_secret(
+    job: dict[str, Any], ca_cert: bytes, ca_key: bytes, cert: bytes, key: bytes
+) -> dict[str, Any]:
+    """The CA (to issue the workers' certificate) and the operator's client pair."""
+    data = {CA_CERT: ca_cert, CA_KEY: ca_key, TLS_CERT: cert, TLS_KEY: key}
+    return _secret(job, operator_tls_name(job["metadata"]["name"]), _text(data))
+
+
+def _text(data: dict[str, bytes]) -> dict[str, str]:
+    return {key: value.decode() for key, value in data.items()}
+
+
+def _secret(job: dict[str, Any], name: str, data: dict[str, str]) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": {
-            "name": secret_name(job["metadata"]["name"]),
+            "name": name,
             "labels": {JOB_LABEL: job["metadata"]["name"]},
             "ownerReferences": [owner(job)],
         },
         "type": "Opaque",
-        "stringData": {TOKEN_KEY: secrets.token_hex(32)},
+        "stringData": data,
     }
+
+
+def serves_tls(pod: dict[str, Any]) -> bool:
+    """Whether the pod's agent was given the TLS Secret (pods an operator without TLS created,
+    which keep running across its upgrade, serve in plaintext)."""
+    containers = (pod.get("spec") or {}).get("containers") or [{}]
+    return any(e.get("name") == "LIVESHARD_TLS_CERT" for e in containers[0].get("env") or [])
 
 
 def disruption_budget(job: dict[str, Any]) -> dict[str, Any]:
@@ -181,5 +231,12 @@ def _agent_env(job_name: str, spec: JobSpec) -> list[dict[str, Any]]:
             "name": "LIVESHARD_TOKEN",
             "valueFrom": {"secretKeyRef": {"name": secret_name(job_name), "key": TOKEN_KEY}},
         },
+        *(
+            {
+                "name": variable,
+                "valueFrom": {"secretKeyRef": {"name": agent_tls_name(job_name), "key": key}},
+            }
+            for variable, key in TLS_ENV.items()
+        ),
         {"name": "LIVESHARD_CONFIG", "value": spec.agent_config()},
     ]

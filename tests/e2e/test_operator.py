@@ -124,8 +124,25 @@ def members(kube: Kube) -> dict[str, dict[str, Any]]:
     return {p["metadata"]["name"]: p for p in kube.pods(f"liveshard.io/job={JOB}")}
 
 
-def agent_status(kube: Kube, pod: dict[str, Any], token: str | None) -> pb.AgentStatus:
-    with grpc.insecure_channel(f"{pod['status']['podIP']}:7070") as channel:
+def agent_status(
+    kube: Kube, pod: dict[str, Any], token: str | None, *, tls: bool = True
+) -> pb.AgentStatus:
+    """GetStatus of a worker's agent, presenting the operator's client certificate (`tls`) as
+    the operator does, or in plaintext."""
+    address = f"{pod['status']['podIP']}:7070"
+    if tls:
+        operator = secret_data(kube, f"{JOB}-operator-tls")
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=operator["ca.crt"], private_key=operator["tls.key"],
+            certificate_chain=operator["tls.crt"],
+        )  # fmt: skip
+        name = f"agent.{JOB}.{kube.namespace}.liveshard"
+        channel = grpc.secure_channel(
+            address, credentials, [("grpc.ssl_target_name_override", name)]
+        )
+    else:
+        channel = grpc.insecure_channel(address)
+    with channel:
         metadata = (("authorization", f"Bearer {token}"),) if token else ()
         return pb_grpc.AgentStub(channel).GetStatus(pb.GetStatusRequest(), timeout=10,
                                                     metadata=metadata)  # fmt: skip
@@ -151,10 +168,14 @@ def event_reasons(kube: Kube) -> list[str]:
     return [e["reason"] for e in json.loads(events)["items"]]
 
 
+def secret_data(kube: Kube, name: str) -> dict[str, bytes]:
+    found = kube.get(f"/api/v1/namespaces/{kube.namespace}/secrets/{name}")
+    assert found is not None
+    return {key: base64.b64decode(value) for key, value in found["data"].items()}
+
+
 def token(kube: Kube) -> str:
-    secret = kube.get(f"/api/v1/namespaces/{kube.namespace}/secrets/{JOB}-token")
-    assert secret is not None
-    return base64.b64decode(secret["data"]["token"]).decode()
+    return secret_data(kube, f"{JOB}-token")["token"].decode()
 
 
 def test_scale_down_and_up_live(operator: Kube, tmp_path: Path) -> None:
@@ -576,5 +597,11 @@ def test_an_agent_call_without_the_token_is_refused(operator: Kube) -> None:
         with pytest.raises(grpc.RpcError) as err:
             agent_status(kube, pod, wrong)
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # Without the operator's client certificate, even the token gets no answer: the handshake
+    # fails (what worker code holds, the serving pair and the CA certificate, is no client's).
+    with pytest.raises(grpc.RpcError) as err:
+        agent_status(kube, pod, token(kube), tls=False)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert set(secret_data(kube, f"{JOB}-agent-tls")) == {"ca.crt", "tls.crt", "tls.key"}
     # The refusals changed nothing: the agent serves and trains on.
     assert agent_status(kube, pod, token(kube)).phase == pb.AgentStatus.TRAINING

@@ -10,6 +10,10 @@ token: a secret on the command line is visible to every process on the node).
                        on in the job's store (`engine.sealed`)
     LIVESHARD_CONFIG   JSON: what the job trains and how it switches (`JobConfig.from_json`)
     LIVESHARD_LOG_FORMAT  text (default) or json: one JSON object per log line
+    LIVESHARD_TLS_CERT, LIVESHARD_TLS_KEY, LIVESHARD_TLS_CA
+                       PEM: the agent's serving certificate, its key and the job's CA; all three
+                       or none. With them the API is served over TLS and a caller must present a
+                       client certificate the job's CA signed; without them, in plaintext
 
 Parsing imports no torch, so a bad configuration is reported in a moment. Every error is a
 `ConfigError` whose one-line message names the variable (and the field inside LIVESHARD_CONFIG).
@@ -33,6 +37,20 @@ class ConfigError(InvalidInput):
 
 
 @dataclass(frozen=True)
+class Tls:
+    """The API's mutual TLS: the serving certificate and key, and the CA whose client
+    certificates are accepted (PEM)."""
+
+    cert: bytes
+    key: bytes = field(repr=False)
+    ca: bytes
+
+
+TLS_VARIABLES = ("LIVESHARD_TLS_CERT", "LIVESHARD_TLS_KEY", "LIVESHARD_TLS_CA")
+_PEM_MARKERS = ("CERTIFICATE-----", "PRIVATE KEY-----", "CERTIFICATE-----")
+
+
+@dataclass(frozen=True)
 class AgentConfig:
     job: str
     member: str
@@ -42,6 +60,7 @@ class AgentConfig:
     job_config: JobConfig
     metrics_port: int = DEFAULT_METRICS_PORT  # 0: no metrics
     log_format: str = "text"  # one of liveshard_core.logs.FORMATS
+    tls: Tls | None = None  # None: the API in plaintext
 
     @property
     def address(self) -> str:
@@ -114,7 +133,28 @@ def load(environ: Mapping[str, str], argv: list[str] | None = None) -> AgentConf
         raise ConfigError(
             f"LIVESHARD_LOG_FORMAT: {log_format!r} must be one of {', '.join(logs.FORMATS)}"
         )
-    return AgentConfig(job, member, pod_ip, port, token, job_config, metrics_port, log_format)
+    return AgentConfig(
+        job, member, pod_ip, port, token, job_config, metrics_port, log_format, _tls(environ)
+    )
+
+
+def _tls(environ: Mapping[str, str]) -> Tls | None:
+    """The API's TLS material, when all of LIVESHARD_TLS_* are set; ConfigError when only some
+    are, or one is no PEM of its kind."""
+    values = [environ.get(variable, "").strip() for variable in TLS_VARIABLES]
+    if not any(values):
+        return None
+    missing = [v for v, got in zip(TLS_VARIABLES, values, strict=True) if not got]
+    if missing:
+        raise ConfigError(
+            f"{missing[0]}: required when any of {', '.join(TLS_VARIABLES)} is set "
+            f"(all three, or none for plaintext)"
+        )
+    for variable, got, marker in zip(TLS_VARIABLES, values, _PEM_MARKERS, strict=True):
+        if "-----BEGIN " not in got or marker not in got:
+            raise ConfigError(f"{variable}: not a PEM {marker.rstrip('-').lower()}")
+    cert, key, ca = (v.encode() + b"\n" for v in values)
+    return Tls(cert, key, ca)
 
 
 def _port(variable: str, text: str, lowest: int) -> int:

@@ -92,7 +92,7 @@ def serve(config: AgentConfig, board: StatusBoard) -> int:
     )  # fmt: skip
     logger = context_logger(log, job=config.job, epoch=-1, member=config.member)
     try:
-        server = start_server(service, config.token, config.address)
+        server = start_server(service, config.token, config.address, config.tls)
     except RuntimeError as err:  # grpc's: the address is not this host's, or the port is taken
         logger.error("cannot serve on %s: %s", config.address, err)
         return 1

@@ -1,4 +1,5 @@
-"""The gRPC server: `liveshard.v1.Agent`'s methods bound to the service, behind the token check.
+"""The gRPC server: `liveshard.v1.Agent`'s methods bound to the service, behind mutual TLS (when
+configured) and the token check.
 
 Handlers take the request's raw bytes and parse them themselves, so bytes that are no valid
 message end with INVALID_ARGUMENT naming the expected message, rather than grpc's own INTERNAL.
@@ -19,6 +20,7 @@ from liveshard.v1 import agent_pb2 as pb
 from liveshard_core.errors import InvalidInput
 
 from .auth import TokenAuth
+from .config import Tls
 from .errors import status_of
 from .service import WATCH_LIMIT, AgentService
 
@@ -88,8 +90,14 @@ _THREADS = WATCH_LIMIT + 16  # watchers hold a thread each; the rest serve the u
 MAX_CALLS = 2 * _THREADS  # calls in service or queued at once
 
 
-def start_server(service: AgentService, token: str, address: str) -> grpc.Server:
-    """Serve on `address` (the pod IP and port); RuntimeError if it cannot be bound."""
+def start_server(
+    service: AgentService, token: str, address: str, tls: Tls | None = None
+) -> grpc.Server:
+    """Serve on `address` (the pod IP and port); RuntimeError if it cannot be bound.
+
+    With `tls`, over mutual TLS: a caller that presents no client certificate signed by the
+    job's CA is refused at the handshake, before the token is even read. Without it, in
+    plaintext, guarded by the token alone."""
     server = grpc.server(
         ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix="agent-rpc"),
         handlers=[handlers(service)],
@@ -101,6 +109,13 @@ def start_server(service: AgentService, token: str, address: str) -> grpc.Server
             ("grpc.max_receive_message_length", _MAX_REQUEST_BYTES),
         ],
     )
-    server.add_insecure_port(address)
+    if tls is None:
+        log.warning("serving the agent API on %s in plaintext: no LIVESHARD_TLS_* set", address)
+        server.add_insecure_port(address)
+    else:
+        credentials = grpc.ssl_server_credentials(
+            [(tls.key, tls.cert)], root_certificates=tls.ca, require_client_auth=True
+        )
+        server.add_secure_port(address, credentials)
     server.start()
     return server

@@ -66,7 +66,7 @@ liveshard_operator call (tests/e2e/test_chart.py runs the operator under them).
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list, watch, create, patch, delete]
-# The job's token Secret, read by name (never listed); owner references delete it.
+# The job's token and TLS Secrets, read by name (never listed); owner references delete them.
 - apiGroups: [""]
   resources: [secrets]
   verbs: [get, create]

@@ -99,3 +99,24 @@ def test_a_bad_configuration_exits_2_with_one_line(overrides: dict[str, str], li
     assert done.returncode == 2
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"liveshard-agent: {line}"), done.stderr
+
+
+CERT = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----"
+KEY = "-----BEGIN PRIVATE KEY-----\nMIGH\n-----END PRIVATE KEY-----"
+TLS = {"LIVESHARD_TLS_CERT": CERT, "LIVESHARD_TLS_KEY": KEY, "LIVESHARD_TLS_CA": CERT}
+
+
+def test_the_tls_variables_are_all_three_or_none() -> None:
+    """No process."""
+    assert load(agent_env("a", 7070), []).tls is None  # plaintext
+    tls = load(agent_env("a", 7070, **TLS), []).tls
+    assert tls is not None and tls.cert == tls.ca == CERT.encode() + b"\n"
+    assert KEY not in repr(tls)  # the key is never printed
+    for left_out in TLS:
+        partial = {k: v for k, v in TLS.items() if k != left_out}
+        with pytest.raises(InvalidInput, match=f"^{left_out}: required when any of"):
+            load(agent_env("a", 7070, **partial), [])
+    with pytest.raises(InvalidInput, match=r"^LIVESHARD_TLS_KEY: not a PEM private key"):
+        load(agent_env("a", 7070, **{**TLS, "LIVESHARD_TLS_KEY": CERT}), [])
+    with pytest.raises(InvalidInput, match=r"^LIVESHARD_TLS_CA: not a PEM certificate"):
+        load(agent_env("a", 7070, **{**TLS, "LIVESHARD_TLS_CA": "/etc/ca.crt"}), [])

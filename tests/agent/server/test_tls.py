@@ -1,0 +1,128 @@
+"""The agent API's mutual TLS over real gRPC on 127.0.0.1: the server (`rpc.start_server`) with a
+job's certificates from the operator's `pki`, in front of a stand-in service that answers
+GetStatus. Only a client certificate the job's CA signed for client auth gets through; the
+token is still checked behind it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+
+pytest.importorskip("torch", reason="the agent's server imports torch (the agent extra)")
+
+from liveshard_operator import pki
+
+from liveshard.v1 import agent_pb2 as pb
+from liveshard.v1 import agent_pb2_grpc as pb_grpc
+from liveshard_agent.server.config import Tls
+from liveshard_agent.server.rpc import start_server
+
+from .agents import HOST, TOKEN, free_port
+
+JOB, NAMESPACE = "tiny", "ns"
+NAME = pki.server_name(JOB, NAMESPACE)
+
+
+class Answering:
+    """The service's GetStatus only: what is tested here is who reaches it."""
+
+    def get_status(self, request: Any, context: Any) -> pb.AgentStatus:
+        return pb.AgentStatus(member="a0")
+
+    def __getattr__(self, name: str) -> Any:
+        return self.get_status
+
+
+@pytest.fixture(scope="module")
+def ca() -> pki.Authority:
+    return pki.new_authority()
+
+
+@pytest.fixture(scope="module")
+def serving(ca: pki.Authority) -> pki.Pair:
+    return pki.serving_pair(ca, JOB, NAMESPACE)
+
+
+@pytest.fixture(scope="module")
+def address(ca: pki.Authority, serving: pki.Pair) -> Iterator[str]:
+    address = f"{HOST}:{free_port()}"
+    server = start_server(Answering(), TOKEN, address, Tls(serving.cert, serving.key, ca.cert))  # type: ignore[arg-type]
+    yield address
+    server.stop(grace=None)
+
+
+def status(channel: grpc.Channel, token: str = TOKEN) -> pb.AgentStatus:
+    stub = pb_grpc.AgentStub(channel)  # type: ignore[no-untyped-call]  # generated
+    answer = stub.GetStatus(
+        pb.GetStatusRequest(), timeout=5, metadata=(("authorization", f"Bearer {token}"),)
+    )
+    return answer  # type: ignore[no-any-return]
+
+
+def secure(address: str, ca: bytes, client: pki.Pair | None) -> grpc.Channel:
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=ca,
+        private_key=client.key if client else None,
+        certificate_chain=client.cert if client else None,
+    )
+    return grpc.secure_channel(address, credentials, [("grpc.ssl_target_name_override", NAME)])
+
+
+def refused(channel: grpc.Channel) -> grpc.StatusCode:
+    with channel, pytest.raises(grpc.RpcError) as err:
+        status(channel)
+    return err.value.code()  # type: ignore[no-any-return]
+
+
+def test_the_operator_certificate_is_accepted_and_the_token_still_checked(
+    address: str, ca: pki.Authority
+) -> None:
+    with secure(address, ca.cert, pki.operator_pair(ca)) as channel:
+        assert status(channel).member == "a0"
+        with pytest.raises(grpc.RpcError) as err:
+            status(channel, token="not-the-token")
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_plaintext_client_is_refused(address: str) -> None:
+    assert refused(grpc.insecure_channel(address)) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_client_without_a_certificate_is_refused(address: str, ca: pki.Authority) -> None:
+    assert refused(secure(address, ca.cert, None)) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_certificate_of_another_job_is_refused(address: str, ca: pki.Authority) -> None:
+    other = pki.new_authority()
+    assert refused(secure(address, ca.cert, pki.operator_pair(other))) == (
+        grpc.StatusCode.UNAVAILABLE
+    )
+
+
+def test_the_workers_serving_certificate_is_no_client_certificate(
+    address: str, ca: pki.Authority, serving: pki.Pair
+) -> None:
+    """What worker code holds (the serving pair and the CA certificate) cannot call a peer:
+    the serving certificate's extended key usage is serverAuth only."""
+    assert refused(secure(address, ca.cert, serving)) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_server_of_another_job_is_not_trusted(ca: pki.Authority) -> None:
+    """The operator's client checks the agent too: a server whose certificate another CA signed
+    is refused."""
+    other = pki.new_authority()
+    other_serving = pki.serving_pair(other, JOB, NAMESPACE)
+    address = f"{HOST}:{free_port()}"
+    server = start_server(
+        Answering(),  # type: ignore[arg-type]
+        TOKEN, address, Tls(other_serving.cert, other_serving.key, ca.cert),
+    )  # fmt: skip
+    try:
+        assert refused(secure(address, ca.cert, pki.operator_pair(ca))) == (
+            grpc.StatusCode.UNAVAILABLE
+        )
+    finally:
+        server.stop(grace=None)
