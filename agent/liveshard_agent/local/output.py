@@ -15,8 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from liveshard_core.job import Result
-from liveshard_core.policy.pipeline import evaluate
-from liveshard_core.policy.rebalance import StepCosts, imbalance, layer_costs
+from liveshard_core.policy.rebalance import StepCosts, imbalance, stage_times
 
 from ..runtime.events import Broke, Checkpointed, CheckpointFailed, Stepped, Switched
 
@@ -39,7 +38,7 @@ def costs_fields(costs: StepCosts, pp_layers: tuple[int, ...]) -> Line:
     and the head's), and the stages' imbalance (the slowest over the mean)."""
     if not costs.layers or not pp_layers:
         return {}
-    stages = evaluate(layer_costs(costs, None), pp_layers).stage_seconds
+    stages = stage_times(costs, pp_layers)
     return {
         "stage_seconds": [round(s, 6) for s in stages],
         "imbalance": round(imbalance(costs, pp_layers), 4),

@@ -19,8 +19,7 @@ from enum import Enum
 from liveshard.v1 import agent_pb2 as pb
 from liveshard_core.job import Cause, Result
 from liveshard_core.layout.layout import Layout
-from liveshard_core.policy.pipeline import evaluate
-from liveshard_core.policy.rebalance import StepCosts, imbalance, layer_costs
+from liveshard_core.policy.rebalance import StepCosts, imbalance, stage_times
 
 
 class Phase(Enum):
@@ -121,8 +120,7 @@ class CostsView:
 
     @classmethod
     def of(cls, costs: StepCosts, steps: int, pp_layers: tuple[int, ...]) -> CostsView:
-        stages = evaluate(layer_costs(costs, None), pp_layers).stage_seconds
-        return cls(costs, steps, stages, imbalance(costs, pp_layers))
+        return cls(costs, steps, stage_times(costs, pp_layers), imbalance(costs, pp_layers))
 
     def to_proto(self) -> pb.Costs:
         return pb.Costs(

@@ -96,9 +96,15 @@ def step_seconds(partition: Partition, micro_batches: int) -> float:
     return partition.max_seconds * (micro_batches + stages - 1) / micro_batches
 
 
+def stage_times(costs: StepCosts, pp_layers: tuple[int, ...]) -> tuple[float, ...]:
+    """Each stage's seconds: its layers', with the embedding's on the first, the head's on the
+    last."""
+    return evaluate(layer_costs(costs, None), pp_layers).stage_seconds
+
+
 def imbalance(costs: StepCosts, pp_layers: tuple[int, ...]) -> float:
     """The slowest stage over the mean stage (1.0: balanced)."""
-    stages = evaluate(layer_costs(costs, None), pp_layers).stage_seconds
+    stages = stage_times(costs, pp_layers)
     mean = sum(stages) / len(stages)
     return max(stages) / mean if mean > 0 else 1.0
 
