@@ -56,11 +56,16 @@ def _model_file(fields: dict[str, Any], folder: str) -> str:
 
 
 def _job(
-    model: str, layout: str, settings: TrainingSettings, rebalance: RebalanceSettings
+    model: str,
+    layout: str,
+    settings: TrainingSettings,
+    rebalance: RebalanceSettings,
+    device: str = "cpu",
 ) -> LocalJob:
     degrees = parse_degrees(layout)
+    config = local_config(model, settings, device=device)
     return LocalJob(
-        config=dataclasses.replace(local_config(model, settings), rebalance=rebalance),
+        config=dataclasses.replace(config, rebalance=rebalance),
         nprocs=degrees.world_size, layout=degrees, switches=(),
     )  # fmt: skip
 
@@ -137,26 +142,38 @@ def _no_clock() -> dict[str, Any]:
     return saved
 
 
-def overhead(model: str, steps: int, blocks: int) -> dict[str, Any]:
+def overhead(
+    model: str,
+    steps: int,
+    blocks: int,
+    device: str = "cpu",
+    settings: TrainingSettings | None = None,
+) -> dict[str, Any]:
     """Median step time of one member (one process, pp = 1) with the clock on and off, blocks
-    of `steps` steps alternating."""
+    of `steps` steps alternating, after one step of warm-up."""
     store = TCPStore(HOST, 0, None, True, timedelta(seconds=60), wait_for_workers=False)
-    job = _job(model, "dp=1", TrainingSettings(steps=1 << 20), RebalanceSettings())
+    settings = dataclasses.replace(settings or TrainingSettings(), steps=1 << 20)
+    job = _job(model, "dp=1", settings, RebalanceSettings(), device)
     member = Member(name="m0", spec=job.spec(), settings=job.settings, store=store,
-                    device=torch.device("cpu"))  # fmt: skip
+                    device=torch.device(device))  # fmt: skip
     member.start(parse_degrees("dp=1").layout(member.spec, ["m0"]))
+    losses = [member.train_step().loss]
     times: dict[str, list[float]] = {"on": [], "off": []}
     for _ in range(blocks):
         for mode in ("on", "off"):
             saved = _no_clock() if mode == "off" else {}
             try:
-                times[mode] += [member.train_step().seconds for _ in range(steps)]
+                for _ in range(steps):
+                    record = member.train_step()
+                    times[mode].append(record.seconds)
+                    losses.append(record.loss)
             finally:
                 for name, fn in saved.items():
                     setattr(clock_module.LayerClock, name, fn)
     on, off = statistics.median(times["on"]), statistics.median(times["off"])
     return {"step_seconds_clock_on": round(on, 5), "step_seconds_clock_off": round(off, 5),
-            "overhead": round(on / off - 1, 4), "steps_each": steps * blocks}  # fmt: skip
+            "overhead": round(on / off - 1, 4), "steps_each": steps * blocks,
+            "first_loss": round(losses[0], 4), "last_loss": round(losses[-1], 4)}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -108,7 +108,7 @@ def max_over_world(world: World | None, seconds: float) -> float:
     when a member of the world died after the switch was decided: the next step sees it)."""
     if world is None:
         return seconds
-    value = torch.tensor([seconds], dtype=torch.float64)
+    value = torch.tensor([seconds], dtype=torch.float64, device=world.device)
     try:
         comm.all_reduce(value, world.group(Axis.WORLD), ReduceOp.MAX)
     except RuntimeError:  # torch's: a peer is gone

@@ -86,7 +86,7 @@ def all_to_all(x: torch.Tensor, group: Group, send: list[int]) -> tuple[torch.Te
     received, in member order, and how many came from each member."""
     if group.size() == 1:
         return x, send
-    counts = torch.tensor(send, dtype=torch.int64)
+    counts = torch.tensor(send, dtype=torch.int64, device=x.device)
     received = torch.empty_like(counts)
     group.alltoall_base(
         received, counts, [1] * len(send), [1] * len(send), AllToAllOptions()

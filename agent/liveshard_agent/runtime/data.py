@@ -107,9 +107,10 @@ class Dataset:
         self.stream, self.seq_len, self.seed, self.order = stream, seq_len, seed, data_order
         self.samples = order.sample_count(stream, seq_len)
 
-    def batch(self, first: int, count: int) -> Batch:
-        """Samples `first .. first + count - 1`."""
+    def batch(self, first: int, count: int, device: torch.device | None = None) -> Batch:
+        """Samples `first .. first + count - 1`, their tokens on `device` (the host's by
+        default; the sample indices stay there)."""
         ids = order.sample_ids(self.order, self.seed, self.samples, first, count)
-        windows = torch.from_numpy(order.windows(self.stream, ids, self.seq_len))
+        windows = torch.from_numpy(order.windows(self.stream, ids, self.seq_len)).to(device)
         samples = torch.arange(first, first + count, dtype=torch.int64)
         return Batch(windows[:, :-1], windows[:, 1:], samples)

@@ -188,7 +188,7 @@ class _Stage:
     def forward(self, m: int, hidden: torch.Tensor | None) -> None:
         model, settings = self.model, self.model.settings
         batch = self.dataset.batch(
-            self.first_sample + m * settings.micro_batch, settings.micro_batch
+            self.first_sample + m * settings.micro_batch, settings.micro_batch, self.device
         )
         if self.feeds:
             self.fed += batch.samples.tolist()
