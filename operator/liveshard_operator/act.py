@@ -40,6 +40,7 @@ from .actions import (
 from .agents import AgentClient, AgentError, ClientTls
 from .decision import Decision, checkpointed, hosted, not_hosted, overtaken
 from .kube import ApiError, Kube
+from .observation import Observation
 from .spec import JobSpec
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class Executor:
         has no PodGroup kind."""
         if self.kube.get(self.namespace, "secrets", render.secret_name(self.name)) is None:
             self.kube.create(self.namespace, "secrets", render.token_secret(job))
-        self._ensure_tls(job)
+        self.ensure_tls(job)
         if self.kube.get(self.namespace, "poddisruptionbudgets", self.name) is None:
             self.kube.create(self.namespace, "poddisruptionbudgets", render.disruption_budget(job))
         if spec.gang and self.kube.get(self.namespace, "podgroups", self.name) is None:
@@ -85,27 +86,83 @@ class Executor:
                     f"({render.POD_GROUP_API}): install the scheduler-plugins CRDs"
                 ) from None
 
-    def _ensure_tls(self, job: dict[str, Any]) -> None:
-        """The job's CA and certificates, issued once: the operator's Secret first (it holds the
-        CA's key), then the workers' from that CA. Another replica's Secret, created first, is
-        the one kept (and the one read back)."""
+    def ensure_tls(self, job: dict[str, Any]) -> None:
+        """The job's CA and certificates: issued once (the operator's Secret first, as it holds
+        the CA's key; then the workers' from that CA; another replica's Secret, created first, is
+        the one kept), then renewed from the same CA when due (`pki.renewal_due`)."""
         operator_name = render.operator_tls_name(self.name)
-        ca: pki.Authority | None = None
-        if self.kube.get(self.namespace, "secrets", operator_name) is None:
+
+        def first_authority() -> dict[str, Any]:
             ca = pki.new_authority()
             pair = pki.operator_pair(ca)
-            secret = render.operator_tls_secret(job, ca.cert, ca.key, pair.cert, pair.key)
-            if self._create_secret(secret):
-                log.info("job %s: issued its CA and the operator's certificate", self.name)
-            else:
-                ca = None  # another replica's CA won
-            self._client_tls = None
-        if self.kube.get(self.namespace, "secrets", render.agent_tls_name(self.name)) is None:
-            if ca is None:
-                data = self._secret_data(operator_name)
-                ca = pki.Authority(data[render.CA_CERT], data[render.CA_KEY])
+            log.info("job %s: issuing its CA and the operator's certificate", self.name)
+            return render.operator_tls_secret(job, ca.cert, ca.key, pair.cert, pair.key)
+
+        data = self._tls_secret(operator_name, first_authority)
+        ca = pki.Authority(data[render.CA_CERT], data[render.CA_KEY])
+        if pki.renewal_due(data[render.TLS_CERT]):
+            data = self._renew(job, operator_name, pki.operator_pair(ca), "the operator's client")
+        if self._client_tls is not None and self._client_tls.cert != data[render.TLS_CERT]:
+            self._client_tls = None  # renewed here or by another replica: read it again
+        agent_name = render.agent_tls_name(self.name)
+
+        def first_serving() -> dict[str, Any]:
             serving = pki.serving_pair(ca, self.name, self.namespace)
-            self._create_secret(render.agent_tls_secret(job, ca.cert, serving.cert, serving.key))
+            return render.agent_tls_secret(job, ca.cert, serving.cert, serving.key)
+
+        agent = self._tls_secret(agent_name, first_serving)
+        if pki.renewal_due(agent[render.TLS_CERT]):
+            serving = pki.serving_pair(ca, self.name, self.namespace)
+            agent = self._renew(job, agent_name, serving, "the workers' serving")
+        self.serving = pki.Pair(agent[render.TLS_CERT], agent[render.TLS_KEY])
+
+    def _tls_secret(self, name: str, first: Callable[[], dict[str, Any]]) -> dict[str, bytes]:
+        """The data of Secret `name`, created from `first()` when missing (another replica's,
+        created meanwhile, is the one kept)."""
+        secret = self.kube.get(self.namespace, "secrets", name)
+        if secret is None:
+            self._create_secret(first())
+            return self._secret_data(name)
+        return _decoded(secret)
+
+    def _renew(
+        self, job: dict[str, Any], secret: str, pair: pki.Pair, whose: str
+    ) -> dict[str, bytes]:
+        """Put `pair` in `secret` in place of the pair that is due; its data after."""
+        fields = {render.TLS_CERT: pair.cert, render.TLS_KEY: pair.key}
+        encoded = {k: base64.b64encode(v).decode() for k, v in fields.items()}
+        self.kube.patch(self.namespace, "secrets", secret, {"data": encoded})
+        message = f"renewed {whose} certificate from the job's CA (Secret {secret})"
+        log.info("job %s: %s", self.name, message)
+        try:
+            self.events(job, "Normal", "CertificateRenewed", message)
+        except Exception as err:  # an event is worth a log line, never a failed pass
+            log.warning("job %s: posting event CertificateRenewed: %s", self.name, err)
+        return self._secret_data(secret)
+
+    serving: pki.Pair | None = None  # the workers' serving pair, as the last pass read it
+
+    def rotate_certificates(self, seen: Observation) -> None:
+        """Send the workers' serving pair to every agent that serves another one (it was renewed
+        after the agent started); one that cannot take it now is tried again next pass."""
+        serving = self.serving
+        if serving is None:
+            return
+        want = pki.fingerprint(serving.cert)
+        stale = [
+            name for name, pod in seen.pods.items()
+            if pod.agent is not None and pod.agent.serving_certificate not in ("", want)
+            and name in self.clients
+        ]  # fmt: skip
+
+        def rotate(name: str) -> None:
+            try:
+                self.clients[name].rotate_certificate(serving.cert, serving.key)
+                log.info("job %s: agent %s serves the renewed certificate", self.name, name)
+            except AgentError as err:
+                log.warning("job %s: rotating %s's certificate: %s", self.name, name, err)
+
+        self._fan_out(rotate, stale)
 
     def _create_secret(self, secret: dict[str, Any]) -> bool:
         """Create `secret`; False when it exists already (another replica's pass)."""
@@ -121,9 +178,9 @@ class Executor:
         secret = self.kube.get(self.namespace, "secrets", name)
         if secret is None:
             raise ApiError("GET", f"secrets/{name}", 404, "the job's Secret is gone")
-        return {key: base64.b64decode(value) for key, value in (secret.get("data") or {}).items()}
+        return _decoded(secret)
 
-    _client_tls: ClientTls | None = None  # read once per job (its Secret is never rotated)
+    _client_tls: ClientTls | None = None  # read again once its certificate is renewed
 
     def client_tls(self) -> ClientTls:
         """The operator's side of the job's mutual TLS, from its `<job>-operator-tls` Secret."""
@@ -261,3 +318,7 @@ class Executor:
             self.events(decision.job.body, event.type.value, event.reason, event.message)
         except Exception as err:  # an event is worth a log line, never a failed pass
             log.warning("job %s: posting event %s: %s", self.name, event.reason, err)
+
+
+def _decoded(secret: dict[str, Any]) -> dict[str, bytes]:
+    return {key: base64.b64decode(value) for key, value in (secret.get("data") or {}).items()}

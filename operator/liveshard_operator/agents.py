@@ -58,8 +58,7 @@ class AgentClient:
         timeout: float = 10.0,
         tls: ClientTls | None = None,
     ) -> None:
-        self.member = member
-        self.timeout = timeout
+        self.member, self.timeout, self.tls = member, timeout, tls
         target = f"{host}:{port}"
         if tls is None:
             self.channel = grpc.insecure_channel(target)
@@ -128,3 +127,6 @@ class AgentClient:
 
     def release(self, saved: int = 0) -> None:
         self._call("Release", pb.ReleaseRequest(saved=saved))
+
+    def rotate_certificate(self, cert: bytes, key: bytes) -> None:
+        self._call("RotateCertificate", pb.RotateCertificateRequest(cert=cert, key=key))

@@ -27,7 +27,8 @@ def observe(
     tls: Callable[[], ClientTls],
 ) -> Observation:
     """The job's pods and their agents' status; `clients` caches one client per pod, over
-    mutual TLS (`tls`, read when first needed) to every pod whose agent was given it."""
+    mutual TLS (`tls`, read when first needed) to every pod whose agent was given it (a client
+    made with a pair `tls` no longer gives is made again)."""
     leaving_nodes = {n["metadata"]["name"] for n in kube.nodes() if node_leaving(n)}
     raw = kube.pods(namespace, f"{JOB_LABEL}={job}")
     for name in set(clients) - {p["metadata"]["name"] for p in raw}:
@@ -37,11 +38,13 @@ def observe(
         name, ip = pod["metadata"]["name"], (pod.get("status") or {}).get("podIP")
         agent, error = None, ""
         if ip and not gone(pod):
+            want = tls() if serves_tls(pod) else None
             client = clients.get(name)
+            if client is not None and client.tls != want:  # the operator's pair was renewed
+                client.close()
+                client = None
             if client is None:
-                client = clients[name] = AgentClient(
-                    name, ip, port, token, timeout=3.0, tls=tls() if serves_tls(pod) else None
-                )
+                client = clients[name] = AgentClient(name, ip, port, token, timeout=3.0, tls=want)
             try:
                 agent = client.status()
             except AgentError as err:

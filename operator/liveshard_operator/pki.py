@@ -1,7 +1,10 @@
 """A job's certificates: the job's own CA, the serving certificate every worker's agent presents,
 and the client certificate the operator presents to them (the agent API's mutual TLS).
 
-Everything is EC P-256, valid for about a year, and held as PEM bytes. Workers get the CA
+Everything is EC P-256 and held as PEM bytes. The CA is valid for ten years, the other
+certificates for one; the operator renews those from the same CA once less than `RENEW_BEFORE`
+of their validity is left (`renewal_due`), and tells each agent its new one (agents report the
+`fingerprint` they serve). Workers get the CA
 certificate and the serving pair only; the CA key and the operator's pair never leave the
 operator's Secret, so worker code cannot make a certificate an agent accepts. The serving
 certificate names one fixed DNS name (`server_name`), since pod IPs are unknown at issuance:
@@ -21,6 +24,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 VALIDITY = dt.timedelta(days=365)
+CA_VALIDITY = dt.timedelta(days=3650)
+RENEW_BEFORE = dt.timedelta(days=30)
 OPERATOR_NAME = "liveshard-operator"  # the CN of the operator's client certificate
 # Fixed CNs: a CN holds at most 64 characters, a job's and namespace's names may hold more. The
 # serving certificate's identity is its DNS name; a CA is known by its key, not its name.
@@ -48,7 +53,13 @@ class Authority:
     cert: bytes
     key: bytes = field(repr=False)
 
-    def issue(self, common_name: str, usage: x509.ObjectIdentifier, dns: str = "") -> Pair:
+    def issue(
+        self,
+        common_name: str,
+        usage: x509.ObjectIdentifier,
+        dns: str = "",
+        validity: dt.timedelta = VALIDITY,
+    ) -> Pair:
         """A certificate for `common_name` signed by this CA, good for `usage` only (serverAuth
         or clientAuth), naming `dns` when given."""
         ca_cert = x509.load_pem_x509_certificate(self.cert)
@@ -57,7 +68,7 @@ class Authority:
             raise ValueError(f"CA key: expected an EC key, got {type(ca_key).__name__}")
         key = ec.generate_private_key(ec.SECP256R1())
         builder = (
-            _builder(_name(common_name), ca_cert.subject, key.public_key())
+            _builder(_name(common_name), ca_cert.subject, key.public_key(), validity)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(_key_usage(signing=False), critical=True)
             .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
@@ -78,7 +89,7 @@ def new_authority() -> Authority:
     key = ec.generate_private_key(ec.SECP256R1())
     name = _name(CA_NAME)
     cert = (
-        _builder(name, name, key.public_key())
+        _builder(name, name, key.public_key(), CA_VALIDITY)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(_key_usage(signing=True), critical=True)
         .sign(key, hashes.SHA256())
@@ -86,18 +97,39 @@ def new_authority() -> Authority:
     return Authority(_pem(cert), _key_pem(key))
 
 
-def serving_pair(ca: Authority, job: str, namespace: str) -> Pair:
+def serving_pair(
+    ca: Authority, job: str, namespace: str, validity: dt.timedelta = VALIDITY
+) -> Pair:
     """The workers' serving certificate: serverAuth only, so it is no client certificate."""
-    return ca.issue(AGENT_NAME, ExtendedKeyUsageOID.SERVER_AUTH, dns=server_name(job, namespace))
+    return ca.issue(
+        AGENT_NAME, ExtendedKeyUsageOID.SERVER_AUTH, server_name(job, namespace), validity
+    )
 
 
-def operator_pair(ca: Authority) -> Pair:
+def operator_pair(ca: Authority, validity: dt.timedelta = VALIDITY) -> Pair:
     """The operator's client certificate: clientAuth only."""
-    return ca.issue(OPERATOR_NAME, ExtendedKeyUsageOID.CLIENT_AUTH)
+    return ca.issue(OPERATOR_NAME, ExtendedKeyUsageOID.CLIENT_AUTH, validity=validity)
+
+
+def renewal_due(cert: bytes, now: dt.datetime | None = None) -> bool:
+    """Whether `cert` (PEM) has less than `RENEW_BEFORE` left, or a tenth of its whole validity
+    when that is shorter (a short-lived certificate is not renewed at once)."""
+    parsed = x509.load_pem_x509_certificate(cert)
+    end, start = parsed.not_valid_after_utc, parsed.not_valid_before_utc
+    left = end - (now or dt.datetime.now(dt.UTC))
+    return left < min(RENEW_BEFORE, (end - start) / 10)
+
+
+def fingerprint(cert: bytes) -> str:
+    """SHA-256 of the certificate's DER bytes, hex: what an agent reports it serves."""
+    return x509.load_pem_x509_certificate(cert).fingerprint(hashes.SHA256()).hex()
 
 
 def _builder(
-    subject: x509.Name, issuer: x509.Name, key: ec.EllipticCurvePublicKey
+    subject: x509.Name,
+    issuer: x509.Name,
+    key: ec.EllipticCurvePublicKey,
+    validity: dt.timedelta,
 ) -> x509.CertificateBuilder:
     now = dt.datetime.now(dt.UTC) - _BACKDATE
     return (
@@ -107,7 +139,7 @@ def _builder(
         .public_key(key)
         .serial_number(x509.random_serial_number())
         .not_valid_before(now)
-        .not_valid_after(now + VALIDITY)
+        .not_valid_after(now + _BACKDATE + validity)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key), critical=False)
     )
 

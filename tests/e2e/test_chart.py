@@ -142,7 +142,7 @@ NAMESPACED = _expand(
         ("liveshard.io", "elastictrainingjobs/status"): "patch",
         ("liveshard.io", "elastictrainingjobs/finalizers"): "update",
         ("", "pods"): "get list watch create patch delete",
-        ("", "secrets"): "get create",
+        ("", "secrets"): "get create patch",
         ("policy", "poddisruptionbudgets"): "get create",
         ("scheduling.x-k8s.io", "podgroups"): "get create",
         ("", "events"): "create",

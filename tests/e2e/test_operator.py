@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import datetime as dt
 import json
 import os
 import signal
@@ -23,6 +24,7 @@ from typing import Any
 import grpc
 import pytest
 import yaml
+from liveshard_operator import pki
 from prometheus_client.parser import text_string_to_metric_families
 
 from liveshard.v1 import agent_pb2 as pb
@@ -588,7 +590,9 @@ def test_operator_killed_mid_reconfiguration_ends_in_one_epoch(operator: Kube) -
     steps.wait(lambda s: s.get("step", 0) > done["step"], "training on")
 
 
-def test_an_agent_call_without_the_token_is_refused(operator: Kube) -> None:
+def test_an_agent_call_without_the_token_is_refused_and_its_certificate_renewed_live(
+    operator: Kube,
+) -> None:
     kube = operator
     kube.apply(job(1))
     Steps(kube).wait(training(1), "training with 1", STARTUP)
@@ -604,4 +608,32 @@ def test_an_agent_call_without_the_token_is_refused(operator: Kube) -> None:
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert set(secret_data(kube, f"{JOB}-agent-tls")) == {"ca.crt", "tls.crt", "tls.key"}
     # The refusals changed nothing: the agent serves and trains on.
+    assert agent_status(kube, pod, token(kube)).phase == pb.AgentStatus.TRAINING
+
+    # The workers' certificate nears its end (a pair of ten seconds, from the job's CA, put in
+    # their Secret): the operator renews it from the same CA and the agent serves the new one,
+    # without a restart.
+    served = agent_status(kube, pod, token(kube)).serving_certificate
+    assert served == pki.fingerprint(secret_data(kube, f"{JOB}-agent-tls")["tls.crt"])
+    ca = secret_data(kube, f"{JOB}-operator-tls")
+    short = pki.serving_pair(pki.Authority(ca["ca.crt"], ca["ca.key"]), JOB, kube.namespace,
+                             validity=dt.timedelta(seconds=10))  # fmt: skip
+    encoded = {"tls.crt": short.cert, "tls.key": short.key}
+    patch = {"data": {k: base64.b64encode(v).decode() for k, v in encoded.items()}}
+    kube.kubectl("patch", "secret", f"{JOB}-agent-tls", "--type", "merge", "-p", json.dumps(patch))
+
+    def renewed() -> str | None:
+        cert = secret_data(kube, f"{JOB}-agent-tls")["tls.crt"]
+        if cert == short.cert:
+            return None
+        now = agent_status(kube, pod, token(kube)).serving_certificate
+        return now if now == pki.fingerprint(cert) else None
+
+    def state() -> str:
+        cert = secret_data(kube, f"{JOB}-agent-tls")["tls.crt"]
+        now = agent_status(kube, pod, token(kube)).serving_certificate
+        return f"Secret's {'short' if cert == short.cert else pki.fingerprint(cert)}, served {now}"
+
+    assert wait_until(renewed, 60, "the renewed certificate served", describe=state) != served
+    assert "CertificateRenewed" in event_reasons(kube)
     assert agent_status(kube, pod, token(kube)).phase == pb.AgentStatus.TRAINING

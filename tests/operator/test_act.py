@@ -5,12 +5,13 @@ the reconfiguration it belongs to is recorded. The controller's pass on the same
 from __future__ import annotations
 
 import base64
+import datetime
 from typing import Any
 
 import grpc
 import pytest
 from liveshard_operator import controller as controller_module
-from liveshard_operator import render
+from liveshard_operator import pki, render
 from liveshard_operator.act import Executor
 from liveshard_operator.agents import AgentClient, AgentError
 from liveshard_operator.controller import JobController
@@ -22,6 +23,8 @@ from liveshard_operator.world import Record
 from tests.operator.test_decide import CASES, CHECKPOINTED, TRAINING3, W3, condition
 from tests.operator.values import BODY, NOW, job, pod, seen, standby
 
+NOW_PLUS_A_YEAR = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=365)
+
 Calls = list[tuple[Any, ...]]
 
 
@@ -31,6 +34,7 @@ class FakeKube:
     def __init__(self, calls: Calls, job: dict[str, Any] | None = None) -> None:
         self.calls, self.job = calls, job
         self.versions: list[str | None] = []  # the resourceVersion each status write was over
+        self.secrets: dict[str, dict[str, Any]] = {}  # the TLS Secrets, once created
 
     def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         return self.job
@@ -45,17 +49,28 @@ class FakeKube:
         self.calls.append(("unfinalize", finalizer))
 
     def get(self, namespace: str, resource: str, name: str) -> dict[str, Any] | None:
+        if resource == "secrets" and name.endswith("-tls"):
+            return self.secrets.get(name)
         return {"data": {"token": base64.b64encode(b"secret").decode()}}
 
     def create(self, namespace: str, resource: str, body: dict[str, Any]) -> dict[str, Any]:
-        self.calls.append(("create", resource))
+        if resource == "secrets":  # as the API server stores it: stringData as data
+            text = body.get("stringData") or {}
+            data = {k: base64.b64encode(v.encode()).decode() for k, v in text.items()}
+            self.secrets[body["metadata"]["name"]] = {"data": data}
+        else:
+            self.calls.append(("create", resource))
         return body
 
     def delete(self, namespace: str, resource: str, name: str) -> None:
         self.calls.append(("delete", name))
 
     def patch(self, namespace: str, resource: str, name: str, body: dict[str, Any]) -> None:
-        self.calls.append(("label", name))
+        if resource == "secrets":
+            self.secrets[name]["data"].update(body["data"])
+            self.calls.append(("renew", name))
+        else:
+            self.calls.append(("label", name))
 
 
 class FakeAgent:
@@ -87,6 +102,9 @@ class FakeAgent:
 
     def release(self, saved: int = 0) -> None:
         self._call("release")
+
+    def rotate_certificate(self, cert: bytes, key: bytes) -> None:
+        self._call("rotate", pki.fingerprint(cert))
 
     def close(self) -> None:
         pass
@@ -294,3 +312,44 @@ def test_a_gang_job_gets_its_pod_group_or_a_condition_naming_the_missing_kind() 
     assert created[2]["metadata"]["ownerReferences"][0]["name"] == "tiny"
     ready = next(c for c in status[1]["conditions"] if c["type"] == "Ready")
     assert ready["reason"] == "InvalidSpec" and "serves no PodGroup" in ready["message"]
+
+
+def test_certificates_are_issued_once_renewed_when_due_and_sent_to_agents_serving_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: Calls = []
+    kube = FakeKube(calls)
+    run = Executor(kube, "ns", "tiny", lambda *a: calls.append(("event", a[2])), {})  # type: ignore[arg-type]
+    run.ensure_tls(BODY)
+    first = {name: dict(secret["data"]) for name, secret in kube.secrets.items()}
+    assert set(first) == {"tiny-operator-tls", "tiny-agent-tls"}
+    tls = run.client_tls()
+    run.ensure_tls(BODY)  # nothing due: nothing changes
+    assert calls == [] and run.client_tls() is tls
+    assert run.serving is not None
+    old = pki.fingerprint(run.serving.cert)
+    # A year on, both certificates are due; the CA (ten years) is not.
+    later = pki.renewal_due
+    monkeypatch.setattr(pki, "renewal_due", lambda cert: later(cert, NOW_PLUS_A_YEAR))
+    run.ensure_tls(BODY)
+    monkeypatch.setattr(pki, "renewal_due", later)
+    assert [c for c in calls if c[0] == "renew"] == [
+        ("renew", "tiny-operator-tls"),
+        ("renew", "tiny-agent-tls"),
+    ]
+    assert [c for c in calls if c[0] == "event"] == [("event", "CertificateRenewed")] * 2
+    for name, data in kube.secrets.items():
+        assert data["data"]["ca.crt"] == first[name]["ca.crt"]  # the same CA
+        assert data["data"]["tls.crt"] != first[name]["tls.crt"]
+    renewed = run.client_tls()
+    assert renewed is not tls and renewed.cert != tls.cert and renewed.ca == tls.ca
+    new = pki.fingerprint(run.serving.cert)
+    # Sent to the agents that serve another certificate, not to those that serve it already
+    # nor to those in plaintext.
+    calls.clear()
+    run.clients.update({m: FakeAgent(m, calls) for m in ("p0", "p1", "p2", "p3")})  # type: ignore[misc]
+    served = {"p0": old, "p1": new, "p2": "", "p3": old}
+    run.rotate_certificates(
+        seen(*(pod(m, standby(serving_certificate=f)) for m, f in served.items()))
+    )
+    assert sorted(calls) == [("rotate", "p0", new), ("rotate", "p3", new)]

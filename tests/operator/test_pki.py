@@ -150,3 +150,17 @@ def test_workers_get_the_agent_tls_secret_and_are_known_to_serve_tls() -> None:
     assert render.serves_tls(pod)
     # A pod an operator without TLS created keeps being called in plaintext.
     assert not render.serves_tls({"spec": {"containers": [{"env": [env["LIVESHARD_TOKEN"]]}]}})
+
+
+def test_renewal_is_due_in_the_last_month_or_the_last_tenth_of_a_short_validity() -> None:
+    ca = pki.new_authority()
+    now = dt.datetime.now(dt.UTC)
+    year = pki.operator_pair(ca).cert
+    assert not pki.renewal_due(year, now)
+    assert not pki.renewal_due(year, now + dt.timedelta(days=330))
+    assert pki.renewal_due(year, now + dt.timedelta(days=340))
+    hour = pki.operator_pair(ca, validity=dt.timedelta(hours=1)).cert
+    assert not pki.renewal_due(hour, now + dt.timedelta(minutes=50))
+    assert pki.renewal_due(hour, now + dt.timedelta(minutes=58))
+    # The CA outlives ten renewals of the certificates it signs.
+    assert not pki.renewal_due(ca.cert, now + dt.timedelta(days=9 * 365))

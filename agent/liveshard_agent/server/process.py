@@ -29,6 +29,7 @@ from ..export import export
 from ..runtime.events import Checkpointed, Event, Report
 from ..runtime.loop import run_member
 from ..runtime.member import Member
+from .certs import ServingCertificate
 from .config import AgentConfig, ConfigError
 from .inbox import CommandInbox
 from .metrics import Metrics
@@ -84,21 +85,25 @@ def serve(config: AgentConfig, board: StatusBoard) -> int:
     def use_deadlines(deadlines: Deadlines) -> None:  # on the loop's thread, between commands
         member.deadlines = deadlines
 
+    serving = ServingCertificate(config.tls) if config.tls is not None else None
     service = AgentService(
         job=Job(config.member, spec, job_config.training, job_config.deadlines,
                 job_config.budget_bytes),
         job_name=config.job, pod_ip=config.pod_ip, board=board, inbox=inbox, layouts=layouts,
-        use_deadlines=use_deadlines, host_store=host_store,
+        use_deadlines=use_deadlines, host_store=host_store, serving=serving,
     )  # fmt: skip
     logger = context_logger(log, job=config.job, epoch=-1, member=config.member)
     try:
-        server = start_server(service, config.token, config.address, config.tls)
+        server = start_server(service, config.token, config.address, serving)
     except RuntimeError as err:  # grpc's: the address is not this host's, or the port is taken
         logger.error("cannot serve on %s: %s", config.address, err)
         return 1
     metrics_server = serve_metrics(metrics, config, logger)
+    fingerprint = serving.fingerprint if serving is not None else ""
     board.update(
-        lambda s: replace(s, ready=True, observed=observe(member, s.observed, layouts.get))
+        lambda s: replace(
+            s, ready=True, observed=observe(member, s.observed, layouts.get), serving=fingerprint
+        )
     )
     logger.info(
         "ready: serving liveshard.v1.Agent on %s, device %s, model %s (%s)",

@@ -20,7 +20,7 @@ from liveshard.v1 import agent_pb2 as pb
 from liveshard_core.errors import InvalidInput
 
 from .auth import TokenAuth
-from .config import Tls
+from .certs import ServingCertificate
 from .errors import status_of
 from .service import WATCH_LIMIT, AgentService
 
@@ -82,6 +82,9 @@ def handlers(service: AgentService) -> grpc.GenericRpcHandler:
         "Abort": _unary("Abort", pb.AbortRequest, service.abort),
         "Checkpoint": _unary("Checkpoint", pb.CheckpointRequest, service.checkpoint),
         "Release": _unary("Release", pb.ReleaseRequest, service.release),
+        "RotateCertificate": _unary(
+            "RotateCertificate", pb.RotateCertificateRequest, service.rotate_certificate
+        ),
     }
     return grpc.method_handlers_generic_handler(SERVICE, methods)
 
@@ -91,13 +94,14 @@ MAX_CALLS = 2 * _THREADS  # calls in service or queued at once
 
 
 def start_server(
-    service: AgentService, token: str, address: str, tls: Tls | None = None
+    service: AgentService, token: str, address: str, tls: ServingCertificate | None = None
 ) -> grpc.Server:
     """Serve on `address` (the pod IP and port); RuntimeError if it cannot be bound.
 
     With `tls`, over mutual TLS: a caller that presents no client certificate signed by the
-    job's CA is refused at the handshake, before the token is even read. Without it, in
-    plaintext, guarded by the token alone."""
+    job's CA is refused at the handshake, before the token is even read; a rotated serving
+    certificate is taken by the next handshake. Without it, in plaintext, guarded by the token
+    alone."""
     server = grpc.server(
         ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix="agent-rpc"),
         handlers=[handlers(service)],
@@ -113,9 +117,6 @@ def start_server(
         log.warning("serving the agent API on %s in plaintext: no LIVESHARD_TLS_* set", address)
         server.add_insecure_port(address)
     else:
-        credentials = grpc.ssl_server_credentials(
-            [(tls.key, tls.cert)], root_certificates=tls.ca, require_client_auth=True
-        )
-        server.add_secure_port(address, credentials)
+        server.add_secure_port(address, tls.credentials())
     server.start()
     return server

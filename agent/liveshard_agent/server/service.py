@@ -30,6 +30,7 @@ from ..engine.record import ContextLogger, context_logger
 from ..engine.world import StoreAddress
 from ..runtime.loop import CheckpointAt, Drop, Prepare, Start, Stop, SwitchAt
 from . import requests
+from .certs import ServingCertificate
 from .errors import NotNow, Overtaken, Refused
 from .inbox import CommandInbox, Ticket
 from .status import Claim, ClaimKind, PendingState, Phase, Snapshot, StatusBoard
@@ -65,8 +66,11 @@ class AgentService:
         layouts: dict[int, Layout],
         use_deadlines: Callable[[Deadlines], None],
         host_store: Callable[[StoreAddress, float], Store],
+        serving: ServingCertificate | None = None,
     ) -> None:
+        """`serving`: the API's serving certificate, when it is served over TLS."""
         self.job, self.job_name, self.pod_ip = job, job_name, pod_ip
+        self.serving = serving
         self.board, self.inbox = board, inbox
         self.layouts = layouts  # the layout each accepted epoch leads to (shared with reporting)
         self.use_deadlines = use_deadlines  # runs on the loop's thread as a Prepare is taken
@@ -326,6 +330,18 @@ class AgentService:
             self._claim(Claim(ticket.number, ClaimKind.STOP, 0))
         self.log.info("released in phase %s: exiting", phase.name)
         return pb.ReleaseResponse()
+
+    # ---- certificates ----
+
+    def rotate_certificate(
+        self, request: pb.RotateCertificateRequest, _: Context
+    ) -> pb.RotateCertificateResponse:
+        if self.serving is None:
+            raise Refused("this agent serves its API in plaintext: it has no certificate")
+        serving = self.serving.replace(request.cert, request.key)
+        self.board.update(lambda s: replace(s, serving=serving))
+        self.log.info("serving certificate rotated: new connections get %s", serving[:16])
+        return pb.RotateCertificateResponse()
 
     # ---- helpers ----
 

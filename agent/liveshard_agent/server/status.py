@@ -144,6 +144,7 @@ class Snapshot:
     failed_checkpoint: CheckpointSummary | None = None  # the last asked for, when it failed
     message: str = ""  # the last refused command or failure, for people
     costs: CostsView | None = None  # the job's measured costs, once a step was measured
+    serving: str = ""  # the serving certificate's fingerprint (`certs`); "" in plaintext
 
     def claimed(self, *kinds: ClaimKind) -> list[Claim]:
         return [c for c in self.claims if c.kind in kinds]
@@ -187,7 +188,7 @@ class Snapshot:
         status = pb.AgentStatus(
             member=self.member, phase=self.phase.value, ready=self.ready, epoch=seen.epoch,
             step=seen.step, samples=seen.samples, loss=seen.loss, message=self.message,
-            terminating=self.terminating, steps=self.steps,
+            terminating=self.terminating, steps=self.steps, serving_certificate=self.serving,
         )  # fmt: skip
         if seen.layout is not None:
             status.layout.CopyFrom(layout_to_proto(seen.layout))

@@ -66,10 +66,11 @@ liveshard_operator call (tests/e2e/test_chart.py runs the operator under them).
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list, watch, create, patch, delete]
-# The job's token and TLS Secrets, read by name (never listed); owner references delete them.
+# The job's token and TLS Secrets, read by name (never listed), certificates renewed in place;
+# owner references delete them.
 - apiGroups: [""]
   resources: [secrets]
-  verbs: [get, create]
+  verbs: [get, create, patch]
 # One PodDisruptionBudget per job, so a drain takes one worker at a time.
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]

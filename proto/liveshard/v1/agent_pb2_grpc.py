@@ -74,6 +74,11 @@ class AgentStub:
                 request_serializer=liveshard_dot_v1_dot_agent__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=liveshard_dot_v1_dot_agent__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.RotateCertificate = channel.unary_unary(
+                '/liveshard.v1.Agent/RotateCertificate',
+                request_serializer=liveshard_dot_v1_dot_agent__pb2.RotateCertificateRequest.SerializeToString,
+                response_deserializer=liveshard_dot_v1_dot_agent__pb2.RotateCertificateResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServicer:
@@ -140,6 +145,15 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RotateCertificate(self, request, context):
+        """Serve the API with this certificate from now on (the operator renewed it from the job's CA);
+        connections already open keep the old one. Refused in plaintext, or for a pair whose key
+        does not match or that does not chain to the job's CA (the certificate in use stays).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -182,6 +196,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=liveshard_dot_v1_dot_agent__pb2.ReleaseRequest.FromString,
                     response_serializer=liveshard_dot_v1_dot_agent__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'RotateCertificate': grpc.unary_unary_rpc_method_handler(
+                    servicer.RotateCertificate,
+                    request_deserializer=liveshard_dot_v1_dot_agent__pb2.RotateCertificateRequest.FromString,
+                    response_serializer=liveshard_dot_v1_dot_agent__pb2.RotateCertificateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -400,6 +419,33 @@ class Agent:
             '/liveshard.v1.Agent/Release',
             liveshard_dot_v1_dot_agent__pb2.ReleaseRequest.SerializeToString,
             liveshard_dot_v1_dot_agent__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RotateCertificate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/liveshard.v1.Agent/RotateCertificate',
+            liveshard_dot_v1_dot_agent__pb2.RotateCertificateRequest.SerializeToString,
+            liveshard_dot_v1_dot_agent__pb2.RotateCertificateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -185,7 +185,8 @@ def test_malformed_and_contradictory_prepares_are_refused(
 
 
 def test_other_calls_check_their_fields_and_the_agents_state(agent: Agent) -> None:
-    """The shared agent process (1): Switch, Abort, Checkpoint and HostStore refusals."""
+    """The shared agent process (1): Switch, Abort, Checkpoint, HostStore, Release and
+    RotateCertificate refusals."""
     cases = [
         ("Switch", pb.SwitchRequest(epoch=1, at_step=-1), Code.INVALID_ARGUMENT, "at_step=-1"),
         ("Switch", pb.SwitchRequest(epoch=1), Code.FAILED_PRECONDITION, "epoch 1 is not pending"),
@@ -200,6 +201,8 @@ def test_other_calls_check_their_fields_and_the_agents_state(agent: Agent) -> No
          "this agent is STANDBY: only members of the world in effect"),
         ("HostStore", pb.HostStoreRequest(epoch=-1), Code.INVALID_ARGUMENT, "epoch=-1"),
         ("Release", pb.ReleaseRequest(saved=-1), Code.INVALID_ARGUMENT, "saved=-1"),
+        ("RotateCertificate", pb.RotateCertificateRequest(cert=b"x", key=b"y"),
+         Code.FAILED_PRECONDITION, "serves its API in plaintext"),
     ]  # fmt: skip
     for method, request, code, words in cases:
         err = agent.refused(method, request)

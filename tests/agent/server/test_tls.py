@@ -1,11 +1,17 @@
 """The agent API's mutual TLS over real gRPC on 127.0.0.1: the server (`rpc.start_server`) with a
 job's certificates from the operator's `pki`, in front of a stand-in service that answers
 GetStatus. Only a client certificate the job's CA signed for client auth gets through; the
-token is still checked behind it."""
+token is still checked behind it. And a real agent process whose serving certificate is rotated
+over its API: new connections get the new one, a bad pair is refused and changes nothing."""
 
 from __future__ import annotations
 
+import hashlib
+import socket
+import ssl
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -17,10 +23,11 @@ from liveshard_operator import pki
 
 from liveshard.v1 import agent_pb2 as pb
 from liveshard.v1 import agent_pb2_grpc as pb_grpc
+from liveshard_agent.server.certs import ServingCertificate
 from liveshard_agent.server.config import Tls
 from liveshard_agent.server.rpc import start_server
 
-from .agents import HOST, TOKEN, free_port
+from .agents import HOST, TOKEN, Agent, free_port
 
 JOB, NAMESPACE = "tiny", "ns"
 NAME = pki.server_name(JOB, NAMESPACE)
@@ -49,7 +56,8 @@ def serving(ca: pki.Authority) -> pki.Pair:
 @pytest.fixture(scope="module")
 def address(ca: pki.Authority, serving: pki.Pair) -> Iterator[str]:
     address = f"{HOST}:{free_port()}"
-    server = start_server(Answering(), TOKEN, address, Tls(serving.cert, serving.key, ca.cert))  # type: ignore[arg-type]
+    tls = ServingCertificate(Tls(serving.cert, serving.key, ca.cert))
+    server = start_server(Answering(), TOKEN, address, tls)  # type: ignore[arg-type]
     yield address
     server.stop(grace=None)
 
@@ -118,7 +126,7 @@ def test_a_server_of_another_job_is_not_trusted(ca: pki.Authority) -> None:
     address = f"{HOST}:{free_port()}"
     server = start_server(
         Answering(),  # type: ignore[arg-type]
-        TOKEN, address, Tls(other_serving.cert, other_serving.key, ca.cert),
+        TOKEN, address, ServingCertificate(Tls(other_serving.cert, other_serving.key, ca.cert)),
     )  # fmt: skip
     try:
         assert refused(secure(address, ca.cert, pki.operator_pair(ca))) == (
@@ -126,3 +134,66 @@ def test_a_server_of_another_job_is_not_trusted(ca: pki.Authority) -> None:
         )
     finally:
         server.stop(grace=None)
+
+
+def served_fingerprint(address: str, ca: bytes, client: pki.Pair) -> str:
+    """The fingerprint of the certificate a new TLS connection to `address` is served."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.load_verify_locations(cadata=ca.decode())
+    context.check_hostname = False
+    context.set_alpn_protocols(["h2"])
+    with tempfile.TemporaryDirectory() as folder:
+        cert, key = Path(folder, "c"), Path(folder, "k")
+        cert.write_bytes(client.cert)
+        key.write_bytes(client.key)
+        context.load_cert_chain(cert, key)
+    host, port = address.rsplit(":", 1)
+    with (
+        socket.create_connection((host, int(port)), timeout=10) as raw,
+        context.wrap_socket(raw, server_hostname=NAME) as tls,
+    ):
+        der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return hashlib.sha256(der).hexdigest()
+
+
+def test_an_agents_serving_certificate_is_rotated_over_its_api(
+    tmp_path: Path, ca: pki.Authority, serving: pki.Pair
+) -> None:
+    operator = pki.operator_pair(ca)
+    env = {"LIVESHARD_TLS_CERT": serving.cert.decode(), "LIVESHARD_TLS_KEY": serving.key.decode(),
+           "LIVESHARD_TLS_CA": ca.cert.decode()}  # fmt: skip
+    agent = Agent("a0", tmp_path, **env)
+    try:
+        address = f"{HOST}:{agent.port}"
+        agent.channel = secure(address, ca.cert, operator)
+        agent.stub = pb_grpc.AgentStub(agent.channel)  # type: ignore[no-untyped-call]
+        first = agent.wait_ready().serving_certificate
+        assert (
+            first == pki.fingerprint(serving.cert) == served_fingerprint(address, ca.cert, operator)
+        )
+        # Refused by name, and the certificate in use stays.
+        other = pki.serving_pair(pki.new_authority(), JOB, NAMESPACE)
+        renewed = pki.serving_pair(ca, JOB, NAMESPACE)
+        for cert, key, words in [
+            (other.cert, other.key, "not valid under the job's CA"),
+            (renewed.cert, serving.key, "not a PEM certificate and its own private key"),
+            (b"garbage", b"garbage", "not a PEM certificate"),
+        ]:
+            err = agent.refused(
+                "RotateCertificate", pb.RotateCertificateRequest(cert=cert, key=key)
+            )
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+            assert words in (err.details() or ""), err.details()
+        assert agent.status().serving_certificate == first
+        assert served_fingerprint(address, ca.cert, operator) == first
+        # A renewed pair from the job's CA: new connections get it, the open channel goes on.
+        agent.call(
+            "RotateCertificate", pb.RotateCertificateRequest(cert=renewed.cert, key=renewed.key)
+        )
+        assert agent.status().serving_certificate == pki.fingerprint(renewed.cert) != first
+        assert served_fingerprint(address, ca.cert, operator) == pki.fingerprint(renewed.cert)
+        with secure(address, ca.cert, operator) as fresh:
+            assert status(fresh).member == "a0"
+    finally:
+        agent.close()
