@@ -75,15 +75,18 @@ class Executor:
         self.ensure_tls(job)
         if self.kube.get(self.namespace, "poddisruptionbudgets", self.name) is None:
             self.kube.create(self.namespace, "poddisruptionbudgets", render.disruption_budget(job))
-        if spec.gang and self.kube.get(self.namespace, "podgroups", self.name) is None:
+        groups = render.pod_group_resource(spec)
+        if spec.gang and self.kube.get(self.namespace, groups, self.name) is None:
+            group = render.pod_group(job, spec)
             try:
-                self.kube.create(self.namespace, "podgroups", render.pod_group(job, spec))
+                self.kube.create(self.namespace, groups, group)
             except ApiError as err:  # 404 on a collection: the cluster has no such kind
                 if err.status != 404:
                     raise
+                which = "Volcano" if render.volcano(spec) else "the scheduler-plugins"
                 raise InvalidInput(
                     f"spec.scheduling.gang: the cluster serves no PodGroup "
-                    f"({render.POD_GROUP_API}): install the scheduler-plugins CRDs"
+                    f"({group['apiVersion']}): install {which} CRDs"
                 ) from None
 
     def ensure_tls(self, job: dict[str, Any]) -> None:

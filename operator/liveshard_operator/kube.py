@@ -236,8 +236,11 @@ class Kube(JsonApi):
 _APIS = {
     "poddisruptionbudgets": "/apis/policy/v1",
     "podgroups": "/apis/scheduling.x-k8s.io/v1alpha1",
+    "podgroups.scheduling.volcano.sh": "/apis/scheduling.volcano.sh/v1beta1",
 }
 
 
 def _collection(namespace: str, resource: str) -> str:
-    return f"{_APIS.get(resource, '/api/v1')}/namespaces/{namespace}/{resource}"
+    """The collection of `resource`: a plural, or `plural.group` where two groups share it."""
+    plural = resource.split(".", 1)[0]
+    return f"{_APIS.get(resource, '/api/v1')}/namespaces/{namespace}/{plural}"

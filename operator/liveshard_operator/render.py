@@ -125,17 +125,38 @@ POD_SECURITY = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault
 AGENT_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 POD_GROUP_API = "scheduling.x-k8s.io/v1alpha1"  # scheduler-plugins' coscheduling
 POD_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
+# Volcano's, used when the workers' schedulerName is volcano.
+VOLCANO = "volcano"
+VOLCANO_POD_GROUP_API = "scheduling.volcano.sh/v1beta1"
+VOLCANO_GROUP_ANNOTATION = "scheduling.k8s.io/group-name"
+VOLCANO_QUEUE_ANNOTATION = "scheduling.volcano.sh/queue-name"
+
+
+def volcano(spec: JobSpec) -> bool:
+    """Whether the workers are Volcano's to schedule (`template.spec.schedulerName`)."""
+    return (spec.template.get("spec") or {}).get("schedulerName") == VOLCANO
+
+
+def pod_group_resource(spec: JobSpec) -> str:
+    """The PodGroup kind's resource for `Kube` (scheduler-plugins' or Volcano's)."""
+    return "podgroups.scheduling.volcano.sh" if volcano(spec) else "podgroups"
 
 
 def pod_group(job: dict[str, Any], spec: JobSpec) -> dict[str, Any]:
     """The job's PodGroup (spec.scheduling.gang): the scheduler places none of its pods until it
-    can place minReplicas of them together, so the job never holds part of its minimum."""
+    can place minReplicas of them together, so the job never holds part of its minimum.
+    Volcano's when the workers' scheduler is Volcano (in the queue their template's annotation
+    names), else scheduler-plugins' (with the pending timeout as its schedule timeout)."""
     name = job["metadata"]["name"]
-    group = {"minMember": spec.min_replicas}
-    if spec.pending_timeout:  # how long the scheduler tries to place the group at once
+    group: dict[str, Any] = {"minMember": spec.min_replicas}
+    if volcano(spec):
+        annotations = (spec.template.get("metadata") or {}).get("annotations") or {}
+        if annotations.get(VOLCANO_QUEUE_ANNOTATION):
+            group["queue"] = annotations[VOLCANO_QUEUE_ANNOTATION]
+    elif spec.pending_timeout:  # how long the scheduler tries to place the group at once
         group["scheduleTimeoutSeconds"] = int(spec.pending_timeout)
     return {
-        "apiVersion": POD_GROUP_API,
+        "apiVersion": VOLCANO_POD_GROUP_API if volcano(spec) else POD_GROUP_API,
         "kind": "PodGroup",
         "metadata": {"name": name, "labels": {JOB_LABEL: name}, "ownerReferences": [owner(job)]},
         "spec": group,
@@ -180,13 +201,18 @@ def worker_pod(job: dict[str, Any], spec: JobSpec) -> dict[str, Any]:
     grace = spec.deadlines.prepare + spec.deadlines.switch + 60
     pod_spec.setdefault("terminationGracePeriodSeconds", int(grace))
     labels = {**(metadata.get("labels") or {}), JOB_LABEL: name, ROLE_LABEL: STANDBY}
-    if spec.gang:
+    annotations = dict(metadata.get("annotations") or {})
+    if spec.gang and volcano(spec):
+        annotations[VOLCANO_GROUP_ANNOTATION] = name
+    elif spec.gang:
         labels[POD_GROUP_LABEL] = name
+    kept = ("name", "labels", "annotations", "namespace")
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
-            **{k: v for k, v in metadata.items() if k not in ("name", "labels", "namespace")},
+            **{k: v for k, v in metadata.items() if k not in kept},
+            **({"annotations": annotations} if annotations else {}),
             "generateName": f"{name}-",
             "labels": labels,
             "ownerReferences": [owner(job)],

@@ -145,6 +145,7 @@ NAMESPACED = _expand(
         ("", "secrets"): "get create patch",
         ("policy", "poddisruptionbudgets"): "get create",
         ("scheduling.x-k8s.io", "podgroups"): "get create",
+        ("scheduling.volcano.sh", "podgroups"): "get create",
         ("", "events"): "create",
     }
 )

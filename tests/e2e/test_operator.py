@@ -39,6 +39,7 @@ from tests.e2e.deployment import API, CHART, example, install_crd, release_name
 JOB = "tiny"
 ROOT = Path(__file__).resolve().parents[2]
 PODGROUP_CRD = Path(__file__).with_name("podgroup-crd.yaml")
+VOLCANO_PODGROUP_CRD = Path(__file__).with_name("volcano-podgroup-crd.yaml")
 OPERATOR_METRICS_PORT = 9401  # the chart's metrics.port
 GLOBAL_BATCH = 24
 STARTUP = 240  # seconds: pods start one torch import each, on 2 cores
@@ -384,6 +385,29 @@ def test_gang_scheduled_workers_form_a_pod_group_and_pass_restricted_pod_securit
     for name, pod in pods.items():
         assert pod["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == JOB, name
         assert pod["spec"]["automountServiceAccountToken"] is False, name
+
+
+def test_gang_scheduled_volcano_workers_form_a_volcano_pod_group(operator: Kube) -> None:
+    kube = operator
+    kube.run("kubectl", "apply", "--server-side", "-f", str(VOLCANO_PODGROUP_CRD))
+    crd = "crd/podgroups.scheduling.volcano.sh"
+    wait_until(lambda: kube.run("kubectl", "get", crd, check=False).returncode == 0 or None, 60,
+               "Volcano's PodGroup kind served")  # fmt: skip
+    body = job(2, minReplicas=2, scheduling={"gang": True})
+    template = body["spec"]["template"]
+    template.setdefault("metadata", {}).setdefault("annotations", {})[
+        "scheduling.volcano.sh/queue-name"
+    ] = "research"
+    template["spec"]["schedulerName"] = "volcano"
+    kube.apply(body)
+    path = f"/apis/scheduling.volcano.sh/v1beta1/namespaces/{kube.namespace}/podgroups/{JOB}"
+    group = wait_until(lambda: kube.get(path), 60, "the job's Volcano PodGroup")
+    assert group["spec"] == {"minMember": 2, "queue": "research"}
+    pods = wait_until(lambda: len(members(kube)) == 2 and members(kube), 60, "2 workers")
+    for name, pod in pods.items():
+        assert pod["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == JOB, name
+        # No Volcano scheduler runs here: its pods wait for it, unplaced.
+        assert pod["spec"]["schedulerName"] == "volcano" and not pod["spec"].get("nodeName")
 
 
 def test_a_worker_killed_without_notice_is_recovered_from_its_replicas(operator: Kube) -> None:

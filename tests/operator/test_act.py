@@ -285,13 +285,15 @@ def test_a_finalizer_left_by_an_earlier_operator_is_taken_off() -> None:
 
 
 class NoPodGroups(FakeKube):
-    """An API server without the PodGroup kind, and none of the job's objects yet."""
+    """An API server without either PodGroup kind, and none of the job's objects yet."""
 
     def get(self, namespace: str, resource: str, name: str) -> dict[str, Any] | None:
-        return None if resource == "podgroups" else super().get(namespace, resource, name)
+        if resource.startswith("podgroups"):
+            return None
+        return super().get(namespace, resource, name)
 
     def create(self, namespace: str, resource: str, body: dict[str, Any]) -> dict[str, Any]:
-        if resource == "podgroups":
+        if resource.startswith("podgroups"):
             self.calls.append(("create", resource, body))
             raise ApiError("POST", "/apis/scheduling.x-k8s.io/...", 404, "404 page not found")
         return super().create(namespace, resource, body)
@@ -353,3 +355,26 @@ def test_certificates_are_issued_once_renewed_when_due_and_sent_to_agents_servin
         seen(*(pod(m, standby(serving_certificate=f)) for m, f in served.items()))
     )
     assert sorted(calls) == [("rotate", "p0", new), ("rotate", "p3", new)]
+
+
+def test_a_gang_job_of_volcano_workers_gets_volcanos_pod_group() -> None:
+    calls: Calls = []
+    template = {
+        "metadata": {"annotations": {render.VOLCANO_QUEUE_ANNOTATION: "research", "a": "b"}},
+        "spec": {"schedulerName": "volcano", "containers": [{"name": "agent"}]},
+    }
+    gang = job(3, minReplicas=2, template=template, scheduling={"gang": True})
+    meta = render.worker_pod(gang.body, gang.spec)["metadata"]
+    assert meta["annotations"] == {
+        render.VOLCANO_QUEUE_ANNOTATION: "research", "a": "b",
+        render.VOLCANO_GROUP_ANNOTATION: "tiny",
+    }  # fmt: skip
+    assert render.POD_GROUP_LABEL not in meta["labels"]
+    controller = JobController(NoPodGroups(calls, gang.body), "ns", "tiny", lambda *_: None)  # type: ignore[arg-type]
+    assert controller.reconcile()
+    (created, status) = calls
+    assert created[:2] == ("create", "podgroups.scheduling.volcano.sh")
+    assert created[2]["apiVersion"] == "scheduling.volcano.sh/v1beta1"
+    assert created[2]["spec"] == {"minMember": 2, "queue": "research"}
+    ready = next(c for c in status[1]["conditions"] if c["type"] == "Ready")
+    assert "scheduling.volcano.sh/v1beta1" in ready["message"] and "Volcano" in ready["message"]

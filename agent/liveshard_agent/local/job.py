@@ -122,8 +122,8 @@ class LocalJob:
             raise InvalidInput("--checkpoint-every needs --checkpoint-dir")
         if self.layout.world_size != self.nprocs:
             raise InvalidInput(
-                f"--layout {self.layout} has {self.layout.world_size} ranks, not --nprocs "
-                f"{self.nprocs}"
+                f"--layout {self.layout.describe()} has {self.layout.world_size} ranks (ep "
+                f"divides dp), not --nprocs {self.nprocs}"
             )
         for label, degrees in [("--layout", self.layout)] + [
             (f"--switch {s.step}:{s.text}", s.degrees) for s in self.switches

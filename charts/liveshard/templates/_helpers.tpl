@@ -75,8 +75,9 @@ liveshard_operator call (tests/e2e/test_chart.py runs the operator under them).
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, create]
-# A gang-scheduled job's PodGroup (scheduler-plugins' coscheduling), when its kind is installed.
-- apiGroups: [scheduling.x-k8s.io]
+# A gang-scheduled job's PodGroup (scheduler-plugins' coscheduling, or Volcano's), when its kind
+# is installed.
+- apiGroups: [scheduling.x-k8s.io, scheduling.volcano.sh]
   resources: [podgroups]
   verbs: [get, create]
 # An Event per reconfiguration (and kopf's own).
