@@ -15,11 +15,15 @@ process, SIGKILL, as it begins step STEP) is answered as on Kubernetes: the surv
 breaks, and the driver sends a recovery, the same layout with the dead member's place given to a
 standing-by or new process and the dead member `lost`, whose bytes come from surviving copies (a
 scripted switch in flight is superseded and sent again afterwards). When no surviving copy or no
-common state exists, the recovery aborts and the job stops with its reason: only a checkpoint
-(`--resume`) can restore it.
+common state exists, the recovery aborts; the job then restarts from its last checkpoint saved in
+this run (`--checkpoint-every`), as the operator restores a job: every process goes, fresh ones
+load the checkpoint in the layout in effect, and the steps since it are trained again (a
+`"restored"` line says from where and why). Without such a checkpoint the job stops with the
+reason.
 
 Output (`output`): one JSON line per step (`"event": "step"`), per switch (`"event": "switch"`),
-per lost member (`"event": "lost"`) and per member whose world broke (`"event": "broken"`), or a
+per lost member (`"event": "lost"`), per member whose world broke (`"event": "broken"`) and per
+restart from a checkpoint (`"event": "restored"`), or a
 human-readable progress view when stdout is a terminal (`--json` forces JSON lines).
 
 This module is the driver and the command; the job it runs is a `job.LocalJob`, each member runs
@@ -134,6 +138,7 @@ class Driver:
         self.left: list[tuple[int, ...]] = []  # partitions a rebalance left
         self.max_stages = job.layout.pp  # the stages packing may grow back to
         self.pause = 0.0  # the longest pause measured so far
+        self.saved: Checkpointed | None = None  # the last checkpoint saved in this run
 
     def _spawn(self, name: str) -> None:
         parent, child = self.ctx.Pipe()
@@ -237,6 +242,8 @@ class Driver:
                 if self.job.record_samples and record.samples:
                     self.emit(output.samples_line(message))
             case Checkpointed() | CheckpointFailed():
+                if isinstance(message, Checkpointed):
+                    self.saved = message
                 self.emit(output.checkpoint_line(message))
             case Broke():
                 self.broke.setdefault(name, time.monotonic())
@@ -329,6 +336,34 @@ class Driver:
         self.standby += [m for m in pending.new.members if m not in pending.old.ranks]
         self.pending, self.scripted = None, None
 
+    def _restore(self, why: str) -> None:
+        """Restart the job from the last checkpoint saved in this run: every process goes, as
+        many fresh ones as the layout in effect has load it in that layout, and the scripted
+        switches not yet made follow. RuntimeError with `why` when there is none."""
+        assert self.layout is not None and self.pending is not None
+        saved = self.saved
+        if saved is None:
+            raise RuntimeError(f"{why}; no checkpoint was saved in this run to restore from "
+                               "(--checkpoint-dir, --checkpoint-every)")  # fmt: skip
+        self._postpone()
+        for process in self.processes.values():
+            process.proc.kill()
+            process.proc.join()
+        self.processes.clear()
+        self.standby, self.lost, self.broke = [], set(), {}
+        self.window = CostWindow(self.rebalance.window_steps)
+        members = [next(self.names) for _ in range(self.layout.world_size)]
+        for name in members:
+            self._spawn(name)
+        self.layout = self.layout.degrees.layout(self.spec, members)
+        self.epoch += 1
+        self.emit(output.restored_line(saved, self.epoch, why))
+        for name in members:
+            self.processes[name].conn.send(
+                Start(self.layout, self.address, epoch=self.epoch, restore=saved.path)
+            )
+        self._request_next()
+
     def _standing_by(self) -> str:
         """A member to take a place: one standing by, or a new process."""
         while self.standby:
@@ -346,9 +381,10 @@ class Driver:
         if change is None or event.epoch != change.epoch:
             return  # a superseded change, given up
         if change.lost and not event.committed:
-            raise RuntimeError(
+            self._restore(
                 f"the recovery from the loss of {sorted(change.lost)} failed: {event.reason}"
             )
+            return
         if not event.report:
             return
         if not event.committed and event.cause is Cause.PEER_FAILED:

@@ -78,6 +78,12 @@ def checkpoint_line(event: Checkpointed | CheckpointFailed) -> Line:
     return {**line, "result": "saved", "seconds": event.seconds}
 
 
+def restored_line(saved: Checkpointed, epoch: int, why: str) -> Line:
+    """The job restarted from checkpoint `saved` (fresh processes, epoch `epoch`) because `why`."""
+    return {"event": "restored", "epoch": epoch, "step": saved.step, "path": saved.path,
+            "reason": why}  # fmt: skip
+
+
 def broken_line(event: Broke) -> Line:
     b = event.breakage
     return {"event": "broken", "member": event.member, "epoch": event.epoch, "step": b.step,

@@ -14,6 +14,7 @@ import json
 import re
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -47,7 +48,7 @@ from liveshard_agent.runtime.trainer import Scalars, Trainer, initial_state
 from liveshard_core.job import Cause, TrainingSettings
 from liveshard_core.layout.layout import Layout
 from liveshard_core.vps.presets import preset
-from tests.agent.runtime.test_training import assert_same_training, job, switches
+from tests.agent.runtime.test_training import STEPS, assert_same_training, job, switches
 
 SCENARIOS = {
     # name: (model, layout, kills, scripted switches)
@@ -83,10 +84,32 @@ def test_a_member_that_dies_is_replaced_and_training_goes_on_unchanged(name: str
     assert_same_training(model, events)
 
 
-def test_a_loss_without_a_surviving_copy_stops_the_job_naming_it() -> None:
+def test_a_loss_without_a_surviving_copy_stops_a_job_that_saved_no_checkpoint() -> None:
     # ZeRO-1 on two members: each holds the only copy of half the optimizer state.
-    with pytest.raises(RuntimeError, match=r"no surviving copy .* restore from a checkpoint"):
+    with pytest.raises(RuntimeError, match=r"no surviving copy .* no checkpoint was saved"):
         run_job(job("tiny", "dp=2,zero=1", kills=(ScriptedKill(5, 1),)))
+
+
+def test_a_loss_without_a_surviving_copy_restarts_from_the_last_checkpoint(tmp_path: Path) -> None:
+    # ZeRO-1 and tp: the dead member's optimizer shard has no copy; the job saved at steps 4 and
+    # 8, the member dies at step 10 while a scripted switch waits for step 12.
+    events = run_job(job("tiny", "tp=2,dp=2,zero=1", "12:dp=4,zero=1",
+                         kills=(ScriptedKill(10, 3),), checkpoint_dir=str(tmp_path),
+                         checkpoint_every=4))  # fmt: skip
+    (restored,) = [e for e in events if e["event"] == "restored"]
+    assert restored["step"] == 8 and restored["path"] == str(tmp_path / "step-8")
+    assert "no surviving copy" in restored["reason"], restored
+    # Steps 8 and 9 are trained again, by fresh processes, in the same layout; then the
+    # scripted switch, and the rest as if nothing happened.
+    steps = [e["step"] for e in events if e["event"] == "step"]
+    assert steps == list(range(10)) + list(range(8, STEPS))
+    after = events[events.index(restored) + 1 :]
+    later = [e for e in switches(after) if e["result"] == "committed"]
+    assert [e["to"] for e in later] == ["dp=4,tp=1,pp=1,ep=1,zero=1,pp_layers=4"]
+    # The retrained steps' lines stand for those the restart undid: the same losses as a
+    # one-process run, every sample fed once.
+    before = [e for e in events[: events.index(restored)] if e.get("step", 0) < 8]
+    assert_same_training("tiny", before + after)
 
 
 # ---- the first survivor's decision ----
