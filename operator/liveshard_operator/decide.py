@@ -297,7 +297,7 @@ def _note_missing(draft: Draft, members: set[str]) -> None:
 
 
 def _silent(draft: Draft, members: list[str]) -> list[str]:
-    """Members that have not said their world broke within the op deadline while another's
+    """Members that have not said their world broke within `Deadlines.silent` while another's
     did: their agent answers nothing (dead, or its node cut off), or answers but its member
     still trains (its training thread hangs: a collective it was in would have failed by now).
     They hold up the others; their pods are deleted and they count as lost. The time each was
@@ -311,7 +311,7 @@ def _silent(draft: Draft, members: list[str]) -> list[str]:
     since = {m: t for m, t in recorded.items() if m in silent}
     since.update({m: now for m in silent if m not in since})
     draft.record = replace(draft.record, silent=since)
-    out = [m for m in silent if now - since[m] >= draft.job.spec.deadlines.op]
+    out = [m for m in silent if now - since[m] >= draft.job.spec.deadlines.silent]
     for member in out:
         agent = pods[member].agent
         why = (f"answers nothing while its world is broken: {pods[member].error}" if agent is None

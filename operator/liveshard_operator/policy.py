@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from liveshard_core.assign.assign import Problem
+from liveshard_core.assign.assign import placed_members
 from liveshard_core.layout.layout import Degrees, Layout
 from liveshard_core.policy.layout import Constraints, choose_layout
 from liveshard_core.policy.model import Hardware
@@ -57,7 +57,4 @@ def assign(
 ) -> list[str]:
     """The new layout's members in rank order: the survivors placed to move the fewest bytes
     (the core's exact assignment), the joiners on the ranks left."""
-    fresh = iter(joiners)
-    need = degrees.world_size - min(len(survivors), degrees.world_size)
-    best = Problem(spec, old, degrees).best([old.rank_of(m) for m in survivors], need)
-    return [old.members[m] if m is not None else next(fresh) for m in best.members_to]
+    return placed_members(spec, old, degrees, survivors, iter(joiners).__next__)

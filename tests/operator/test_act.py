@@ -180,7 +180,7 @@ def test_a_finished_job_lets_its_pods_go_before_it_is_marked_succeeded() -> None
 
 
 def test_a_silent_member_is_recorded_before_its_pod_is_deleted() -> None:
-    case = CASES["silent for the op deadline: its pod is deleted and it counts as lost"]
+    case = CASES["silent for twice the op deadline: its pod is deleted and it counts as lost"]
     calls: Calls = []
     executor(calls, case.seen).run(decide(case.seen, case.record, case.job, NOW))
     order = kinds(calls)

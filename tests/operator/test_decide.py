@@ -301,14 +301,17 @@ CASES: dict[str, Case] = {
     "a member answers nothing while another's world broke: the clock starts": Case(
         J3, P2_SILENT, Record(world=W3), "Running", changed={"silent": {"p2": NOW}},
     ),
-    "silent for the op deadline: its pod is deleted and it counts as lost": Case(
-        J3, P2_SILENT, Record(world=W3, silent={"p2": NOW - 10}), "Running", after=["delete p2"],
+    "silent for the op deadline only: a collective it entered late may still be failing": Case(
+        J3, P2_SILENT, Record(world=W3, silent={"p2": NOW - 10}), "Running",
+    ),
+    "silent for twice the op deadline: its pod is deleted and it counts as lost": Case(
+        J3, P2_SILENT, Record(world=W3, silent={"p2": NOW - 20}), "Running", after=["delete p2"],
         ask="begin 2 on p0: p0,p1 from epoch 1 lost=p2 lost p2",
     ),
-    "a member that still trains while its world broke is hung: silent for the op deadline": Case(
+    "still training while its world broke: hung, silent for twice the op deadline": Case(
         J3, seen(pod("p0", broken(1), role=M), pod("p1", broken(1), role=M),
                  pod("p2", training(1), role=M)),
-        Record(world=W3, silent={"p2": NOW - 10}), "Running", after=["delete p2"],
+        Record(world=W3, silent={"p2": NOW - 20}), "Running", after=["delete p2"],
         ask="begin 2 on p0: p0,p1 from epoch 1 lost=p2 lost p2",
     ),
     "every member's world broke, none is lost (a partition): rebuild in the same layout": Case(
@@ -720,12 +723,11 @@ def test_hot_spares_degrade_the_job() -> None:
 
 
 def test_a_silent_member_is_deleted_saying_why() -> None:
-    case = CASES["silent for the op deadline: its pod is deleted and it counts as lost"]
+    case = CASES["silent for twice the op deadline: its pod is deleted and it counts as lost"]
     (delete,) = decide(case.seen, case.record, case.job, NOW).after
     assert delete == DeletePod("p2", "answers nothing while its world is broken: "
                                      "agent p2: UNAVAILABLE")  # fmt: skip
-    hung = CASES["a member that still trains while its world broke is hung: silent for the op "
-                 "deadline"]  # fmt: skip
+    hung = CASES["still training while its world broke: hung, silent for twice the op deadline"]
     (delete,) = decide(hung.seen, hung.record, hung.job, NOW).after
     assert delete.because == "still trains while its world is broken: its training is hung"
 

@@ -49,7 +49,7 @@ from typing import Any, cast
 import torch
 from torch.distributed import TCPStore
 
-from liveshard_core.assign.assign import best_assignment
+from liveshard_core.assign.assign import placed_members
 from liveshard_core.cli import parse_bytes
 from liveshard_core.errors import InvalidInput
 from liveshard_core.job import Cause
@@ -219,16 +219,18 @@ class Driver:
             self._kill_silent()
 
     def _kill_silent(self) -> None:
-        """Members of the layout in effect that said nothing for the op deadline after their
+        """Members of the layout in effect that said nothing for `Deadlines.silent` after their
         peers' world broke are stopped or hung: they are killed, and their loss answered."""
         assert self.layout is not None
-        if not self.broke or time.monotonic() - min(self.broke.values()) < self.job.deadlines.op:
+        silent = self.job.deadlines.silent
+        if not self.broke or time.monotonic() - min(self.broke.values()) < silent:
             return
         for name in self.layout.members:
             process = self.processes.get(name)
             if name not in self.broke and process is not None and process.proc.is_alive():
-                self.emit(output.silent_line(name, self.job.deadlines.op))
+                self.emit(output.silent_line(name, silent))
                 process.proc.kill()
+                process.proc.join()  # found dead by the loop, once
 
     def _receive(self, name: str, message: object, done: set[str]) -> None:
         """One message from member `name`'s process: an event of its loop, or its crash."""
@@ -447,12 +449,9 @@ class Driver:
         """`degrees` laid out on the members that hold most of what their new ranks need (the
         others stand by; a missing member is one standing by, or a new process)."""
         assert self.layout is not None
-        old = self.layout
-        draft = degrees.layout(self.spec, [str(i) for i in range(degrees.world_size)])
-        joiners = max(0, degrees.world_size - old.world_size)
-        chosen = best_assignment(self.spec, old, draft, range(old.world_size), joiners)
-        members = [old.members[m] if m is not None else self._standing_by()
-                   for m in chosen.members_to]  # fmt: skip
+        members = placed_members(
+            self.spec, self.layout, degrees, self.layout.members, self._standing_by
+        )
         return degrees.layout(self.spec, members)
 
     def _predicted_pause(self, pp_layers: tuple[int, ...]) -> float:

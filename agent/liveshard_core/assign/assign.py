@@ -138,6 +138,20 @@ def best_assignment(
     return Problem(spec, old, new).best(survivors, joiners)
 
 
+def placed_members(
+    spec: ModelSpec,
+    old: Layout,
+    degrees: Degrees,
+    survivors: Sequence[str],
+    fresh: Callable[[], str],
+) -> list[str]:
+    """The members of `degrees`' layout in rank order: the `survivors` (members of `old`) placed
+    to move the fewest bytes, a `fresh()` member on each rank none of them takes."""
+    need = degrees.world_size - min(len(survivors), degrees.world_size)
+    best = Problem(spec, old, degrees).best([old.rank_of(m) for m in survivors], need)
+    return [old.members[m] if m is not None else fresh() for m in best.members_to]
+
+
 def ordered_assignment(
     spec: ModelSpec, old: Layout, new: Layout, survivors: Sequence[int], joiners: int
 ) -> Assignment:

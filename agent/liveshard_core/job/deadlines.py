@@ -30,6 +30,14 @@ class Deadlines:
                 f"op={self.op} <= switch={self.switch} <= prepare={self.prepare} must hold"
             )
 
+    @property
+    def silent(self) -> float:
+        """How long a member may take to say its world broke once a peer's did: the collective
+        it waits in fails within `op`, and it may have entered that collective up to another
+        `op` later (still computing, or waiting in an earlier one). One that says nothing for
+        longer is dead or hung."""
+        return 2 * self.op
+
     @classmethod
     def from_dict(cls, data: Any) -> Deadlines:
         """From `{"op": s, "switch": s, "prepare": s}` (any may be left out: its default)."""

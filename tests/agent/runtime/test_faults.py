@@ -76,6 +76,21 @@ def test_a_vote_that_completes_at_some_members_only_never_splits(late: float) ->
     assert_same_training("tiny", events)
 
 
+def test_members_whose_collective_fails_only_at_its_timeout_are_not_taken_for_silent() -> None:
+    # Rank 0 dies inside the commit of dp=4 -> tp=2,dp=2: w1 sees it at once, but w2 and w3
+    # learn it only when their next collective times out, an op deadline after they entered it.
+    # They are alive and keep their state: none may be killed as silent.
+    dying = job("tiny", "dp=4", "10:tp=2,dp=2", kills=(parse_kill("10:0:commit"),))
+    fast = Deadlines(op=5, switch=10, prepare=30)
+    events = run_job(replace(dying, config=replace(dying.config, deadlines=fast)))
+    assert [e for e in events if e["event"] == "silent"] == []
+    (lost,) = [e for e in events if e["event"] == "lost"]
+    assert lost["member"] == "w0"
+    (recovery,) = [e for e in switches(events) if e["lost"]]
+    assert recovery["result"] == "committed" and recovery["lost"] == ["w0"]
+    assert_same_training("tiny", events)
+
+
 def test_a_stopped_member_is_found_silent_killed_and_replaced() -> None:
     stopping = job("tiny", "dp=4", kills=(parse_kill("10:2", hang=True),))
     fast = Deadlines(op=5, switch=10, prepare=30)
