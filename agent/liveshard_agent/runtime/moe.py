@@ -51,7 +51,10 @@ def moe_forward(
     received_experts, _ = comm.all_to_all(experts.unsqueeze(1), ep, send)
     received_experts = received_experts.squeeze(1)
 
-    out = torch.zeros_like(received)
+    # Zeros that stay in the graph: a rank none of whose experts got a token still takes part
+    # in the backward's all-to-alls, as its peers do (from a plain zeros tensor, no gradient
+    # would reach them and its peers would wait in a collective it never posts).
+    out = received * 0
     shared = comm.copy_to(received, model.tp)
     for expert in sorted(set(received_experts.tolist())):
         mask = received_experts == expert

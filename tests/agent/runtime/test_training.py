@@ -15,6 +15,7 @@ Each job starts up to 6 processes.
 from __future__ import annotations
 
 import dataclasses
+import json
 from functools import cache, partial
 from pathlib import Path
 from typing import Any
@@ -158,3 +159,21 @@ def test_a_switch_whose_vote_fails_leaves_training_in_the_old_layout() -> None:
     layouts = {e["layout"] for e in events if e["event"] == "step"}
     assert layouts == {"dp=4,tp=1,pp=1,ep=1,zero=0,pp_layers=4"}
     assert_same_training("tiny", events)
+
+
+def test_an_expert_rank_that_gets_no_token_still_takes_part_in_the_backward(
+    tmp_path: Path,
+) -> None:
+    # One token per member and 16 experts per ep rank: in most micro-batches some rank's
+    # experts get no token. It must still post the backward's all-to-alls its peers post.
+    sparse = {"name": "moe-sparse", "vocab": 256, "hidden": 32, "layers": 2, "heads": 2,
+              "kv_heads": 1, "head_dim": 16, "ffn": 64, "experts": 64, "expert_ffn": 8,
+              "top_k": 1}  # fmt: skip
+    model = tmp_path / "moe-sparse.json"
+    model.write_text(json.dumps(sparse))
+    settings = TrainingSettings(steps=4, global_batch=4, micro_batch=1, seq_len=1)
+    runs = {
+        layout: losses(run_job(job(str(model), layout, settings=settings)))
+        for layout in ("dp=1", "dp=4,ep=4")
+    }
+    assert runs["dp=4,ep=4"] == pytest.approx(runs["dp=1"], rel=RTOL)
