@@ -28,8 +28,12 @@ _HANDSHAKE_ROUNDS = 8  # TLS 1.3 takes two; a handshake that needs more has fail
 
 
 def fingerprint(cert: bytes) -> str:
-    """SHA-256 of a PEM certificate's DER bytes, hex: what an agent reports it serves."""
-    return hashlib.sha256(ssl.PEM_cert_to_DER_cert(cert.decode("ascii"))).hexdigest()
+    """SHA-256 of the DER bytes of a PEM's first certificate, hex: what an agent reports it
+    serves."""
+    text = cert.decode("ascii", "replace")
+    start = text.find(ssl.PEM_HEADER)
+    end = text.find(ssl.PEM_FOOTER, start) + len(ssl.PEM_FOOTER)
+    return hashlib.sha256(ssl.PEM_cert_to_DER_cert(text[start:end])).hexdigest()
 
 
 class ServingCertificate:
