@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import sys
 import tempfile
 import time
@@ -40,7 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from common import machine, write_json
+from common import best, machine, write_json
 from rebalance import _model_file, overhead
 from torch.distributed import HashStore
 
@@ -62,18 +63,15 @@ DATASHEET_BF16 = 989e12  # dense bf16 FLOP/s of an H100 or H200 SXM, the vendor'
 GB = 1e9
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def _seconds(fn: Callable[[], Any], device: torch.device, repeat: int = 5) -> float:
-    """The fastest of `repeat` calls, the device synchronised around each."""
-    best = float("inf")
-    for _ in range(repeat + 1):  # the first is a warm-up
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best
+    """The fastest of `repeat` calls (after one of warm-up), the device synchronised after each."""
+    _sync(device)
+    return best(lambda: (fn(), _sync(device)), repeat + 1)[1]
 
 
 def limits(device: torch.device, quick: bool) -> dict[str, float]:
@@ -88,7 +86,7 @@ def limits(device: torch.device, quick: bool) -> dict[str, float]:
     m = 1024 if quick else 8192
     a, b = (torch.randn(m, m, device=device, dtype=torch.bfloat16) for _ in range(2))
     out["bf16_matmul_tflop_s"] = 2 * m**3 / _seconds(lambda: a @ b, device) / 1e12
-    return {k: round(v, 1) if isinstance(v, float) else v for k, v in out.items()}
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
 
 
 def flops_per_token(spec: ModelSpec, seq_len: int) -> float:
@@ -96,17 +94,10 @@ def flops_per_token(spec: ModelSpec, seq_len: int) -> float:
     input embedding's lookup; the head's, tied or not) plus attention's scores and values,
     6 x layers x seq_len x heads x head_dim x 2 (forward 2, backward 4)."""
     cfg = spec.config
-    matmul = sum(_numel(p.shape) for p in spec.params if p.name != "embed")
+    matmul = sum(math.prod(p.shape) for p in spec.params if p.name != "embed")
     if cfg.tied_embeddings:
         matmul += cfg.vocab * cfg.hidden
     return 6 * matmul + 12 * cfg.layers * seq_len * cfg.heads * cfg.head_dim
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    out = 1
-    for n in shape:
-        out *= n
-    return out
 
 
 def training(model: str, settings: TrainingSettings, device: torch.device, quick: bool,
@@ -124,7 +115,7 @@ def training(model: str, settings: TrainingSettings, device: torch.device, quick
         mfu_of_measured_matmul=round(flops / (matmul_tflop_s * 1e12), 4),
         mfu_of_datasheet=round(flops / DATASHEET_BF16, 4),
         param_dtype=spec.config.param_dtype.value,
-        params=sum(_numel(p.shape) for p in spec.params),
+        params=sum(math.prod(p.shape) for p in spec.params),
     )
     if device.type == "cuda":
         result["peak_device_bytes"] = torch.cuda.max_memory_allocated()
@@ -141,16 +132,15 @@ def switch(spec: ModelSpec, device: torch.device, mode: MemoryMode, budget: int,
     )  # fmt: skip
     state = ShardedState.seeded(spec, old, 0, 3, device)
     nbytes = state.nbytes
+    _sync(device)
     if device.type == "cuda":
-        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     start = time.perf_counter()
     reconfig.prepare()  # the resident mode's shadow, the bounded mode's pinned host copy
     prepare = time.perf_counter() - start
     result = reconfig.switch(state)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    _sync(device)
     peak = torch.cuda.max_memory_allocated() - before if device.type == "cuda" else None
     if not result.committed or result.state is None:
         raise RuntimeError(f"the {mode.value} switch aborted: {result.reason}")
@@ -190,8 +180,7 @@ def saved_and_loaded(spec: ModelSpec, settings: TrainingSettings, device: torch.
     _free(device)
     start = time.perf_counter()
     loaded, _ = checkpoint.load(spec, layout, 0, device, target, store=store, prefix="load")
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    _sync(device)
     load = time.perf_counter() - start
     exact = loaded.matches_seed(3) == []
     del loaded
