@@ -105,8 +105,8 @@ class Executor:
         ca = pki.Authority(data[render.CA_CERT], data[render.CA_KEY])
         if pki.renewal_due(data[render.TLS_CERT]):
             data = self._renew(job, operator_name, pki.operator_pair(ca), "the operator's client")
-        if self._client_tls is not None and self._client_tls.cert != data[render.TLS_CERT]:
-            self._client_tls = None  # renewed here or by another replica: read it again
+        if self._client_tls is None or self._client_tls.cert != data[render.TLS_CERT]:
+            self._client_tls = self._client_of(data)  # new, or renewed here or by a replica
         agent_name = render.agent_tls_name(self.name)
 
         def first_serving() -> dict[str, Any]:
@@ -183,17 +183,21 @@ class Executor:
             raise ApiError("GET", f"secrets/{name}", 404, "the job's Secret is gone")
         return _decoded(secret)
 
-    _client_tls: ClientTls | None = None  # read again once its certificate is renewed
+    _client_tls: ClientTls | None = None  # as `ensure_tls` last read it
 
     def client_tls(self) -> ClientTls:
         """The operator's side of the job's mutual TLS, from its `<job>-operator-tls` Secret."""
         if self._client_tls is None:
-            data = self._secret_data(render.operator_tls_name(self.name))
-            self._client_tls = ClientTls(
-                ca=data[render.CA_CERT], cert=data[render.TLS_CERT], key=data[render.TLS_KEY],
-                server_name=pki.server_name(self.name, self.namespace),
-            )  # fmt: skip
+            self._client_tls = self._client_of(
+                self._secret_data(render.operator_tls_name(self.name))
+            )
         return self._client_tls
+
+    def _client_of(self, data: dict[str, bytes]) -> ClientTls:
+        return ClientTls(
+            ca=data[render.CA_CERT], cert=data[render.TLS_CERT], key=data[render.TLS_KEY],
+            server_name=pki.server_name(self.name, self.namespace),
+        )  # fmt: skip
 
     def token(self) -> str:
         """The job's token, which every agent call carries."""
