@@ -42,12 +42,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import grpc
 import yaml
 from common import machine, write_json
+from liveshard_operator import pki
+from liveshard_operator.agents import AgentClient, ClientTls
 
 from liveshard.v1 import agent_pb2 as pb
-from liveshard.v1 import agent_pb2_grpc as pb_grpc
 from liveshard_e2e import cluster
 from liveshard_e2e.testing import Kube
 from liveshard_e2e.waiting import wait_until
@@ -73,29 +73,15 @@ def _token(kube: Kube) -> str:
     return _secret(kube, f"{JOB}-token")["token"].decode()
 
 
-class Agent:
-    """One member's agent, called directly (as the operator does: over mutual TLS with the
-    operator's client certificate, and with the token)."""
-
-    def __init__(self, kube: Kube, member: str) -> None:
-        pod = kube.pod(member)
-        assert pod is not None
-        operator = _secret(kube, f"{JOB}-operator-tls")
-        credentials = grpc.ssl_channel_credentials(
-            root_certificates=operator["ca.crt"], private_key=operator["tls.key"],
-            certificate_chain=operator["tls.crt"],
-        )  # fmt: skip
-        name = [("grpc.ssl_target_name_override", f"agent.{JOB}.{NAMESPACE}.liveshard")]
-        self.channel = grpc.secure_channel(f"{pod['status']['podIP']}:7070", credentials, name)
-        self.stub = pb_grpc.AgentStub(self.channel)
-        self.metadata = (("authorization", f"Bearer {_token(kube)}"),)
-
-    def status(self) -> pb.AgentStatus:
-        return self.stub.GetStatus(pb.GetStatusRequest(), timeout=10, metadata=self.metadata)
-
-    def checkpoint(self, number: int, path: str, at_step: int) -> None:
-        request = pb.CheckpointRequest(number=number, path=path, at_step=at_step)
-        self.stub.Checkpoint(request, timeout=10, metadata=self.metadata)
+def _agent(kube: Kube, member: str) -> AgentClient:
+    """One member's agent, called directly as the operator calls it: over mutual TLS with the
+    operator's client certificate, and with the token."""
+    pod = kube.pod(member)
+    assert pod is not None
+    operator = _secret(kube, f"{JOB}-operator-tls")
+    tls = ClientTls(ca=operator["ca.crt"], cert=operator["tls.crt"], key=operator["tls.key"],
+                    server_name=pki.server_name(JOB, NAMESPACE))  # fmt: skip
+    return AgentClient(member, pod["status"]["podIP"], 7070, _token(kube), tls=tls)
 
 
 def _job(replicas: int, restore: str = "") -> dict[str, Any]:
@@ -117,7 +103,7 @@ def _training(kube: Kube, replicas: int, after_epoch: int = -1) -> dict[str, Any
     return wait_until(check, STARTUP, f"{JOB} training with {replicas} members")
 
 
-def _new_epoch(stayer: Agent, epoch: int) -> int:
+def _new_epoch(stayer: AgentClient, epoch: int) -> int:
     """The epoch after `epoch` once `stayer` trains in it."""
 
     def in_new_epoch() -> int | None:
@@ -130,7 +116,7 @@ def _new_epoch(stayer: Agent, epoch: int) -> int:
 
 def live(kube: Kube, replicas: int) -> dict[str, Any]:
     before = _training(kube, len(_status(kube)["members"]))
-    stayer = Agent(kube, before["members"][0])
+    stayer = _agent(kube, before["members"][0])
     start = time.perf_counter()
     kube.kubectl("scale", f"etj/{JOB}", f"--replicas={replicas}")
     new_epoch = _new_epoch(stayer, before["epoch"])
@@ -152,7 +138,7 @@ def lost(kube: Kube) -> dict[str, Any]:
     """Force-delete the last member's pod; the job recovers without it, then grows back."""
     before = _training(kube, len(_status(kube)["members"]))
     victim = before["members"][-1]
-    survivor = Agent(kube, before["members"][0])
+    survivor = _agent(kube, before["members"][0])
     start = time.perf_counter()
     kube.kubectl("delete", "pod", victim, "--grace-period=0", "--force")
     new_epoch = _new_epoch(survivor, before["epoch"])
@@ -176,7 +162,7 @@ def lost(kube: Kube) -> dict[str, Any]:
 def restart(kube: Kube, replicas: int, directory: str, number: int) -> dict[str, Any]:
     """Checkpoint the running job, delete every pod, recreate it with `replicas` from there."""
     running = _training(kube, len(_status(kube)["members"]))
-    agents = [Agent(kube, m) for m in running["members"]]
+    agents = [_agent(kube, m) for m in running["members"]]
     at_step = running["step"] + 2
     path = os.path.join(directory, f"ckpt-{number}")
     for agent in agents:
@@ -226,7 +212,7 @@ def landing(kube: Kube, nodes: list[str]) -> dict[str, Any]:
         kube.apply(body)
         first = _training(kube, 2)
         started = time.perf_counter() - start
-        stayer = Agent(kube, first["members"][0])
+        stayer = _agent(kube, first["members"][0])
         time.sleep(5)
         start, opened = time.perf_counter(), time.time()
         kube.run("kubectl", "uncordon", nodes[1])
