@@ -61,7 +61,13 @@ def new_group(
 
         options = ProcessGroupNCCL.Options()
         options._timeout = timedelta(seconds=timeout)
-        return cast(Group, ProcessGroupNCCL(prefixed, rank, size, options))
+        group = ProcessGroupNCCL(prefixed, rank, size, options)
+        # NCCL builds a communicator at its group's first collective: inside a switch's pause or
+        # the new world's first step. Built here instead, while the old world trains; every
+        # member of the group blocks here until all have come.
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        group.eager_connect_single_device(torch.device("cuda", index))
+        return cast(Group, group)
     return cast(Group, ProcessGroupGloo(prefixed, rank, size, timedelta(seconds=timeout)))
 
 

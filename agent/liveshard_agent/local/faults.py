@@ -1,19 +1,21 @@
-"""`liveshard-local --kill STEP:RANK[:PHASE]` and `--hang`: a member that dies, or stops, without
-notice, at a known point.
+"""`liveshard-local --kill STEP:RANK[:PHASE]`, `--hang` and `--stall`: a member that dies, stops or
+falls behind without notice, at a known point.
 
 The member at RANK of the layout in effect kills its own process (SIGKILL; `--hang`: stops it,
-SIGSTOP) at PHASE:
+SIGSTOP; `--stall`: its training sleeps one and a half op deadlines, past its peers' collective
+timeouts but within the silence the launcher allows) at PHASE:
 - `step` (the default): as it begins step STEP;
 - `prepare`, `transfer`, `vote`, `commit`: inside the switch scripted at step STEP (`--switch
   STEP:...`): as its prepare starts, as the transfer's first round starts, as it is about to cast
   its vote, or once the vote's all-reduce is done and before the decision is recorded (the
   others commit without it).
 Each kill happens once per job: the recovery resumes at the same point, maybe with another member
-at RANK. The survivors' world breaks and the launcher answers with a recovery, as the operator
-does on Kubernetes; a stopped member is found silent (its peers' world broke, it said nothing)
-and killed. This module is the whole of that harness: the flags' values (`ScriptedKill`) and the
-member's part (`Faults`). The runtime and the engine know nothing of it; tests inject their own
-faults through `LocalJob.hooks` instead.
+at RANK. The survivors' world breaks and the launcher answers with a recovery, as the operator does
+on Kubernetes; a stopped member is found silent (its peers' world broke, it said nothing) and
+killed; after a stall, every member's world has broken and none is lost: the launcher rebuilds the
+world in the same layout from the step they stopped at. This module is the whole of that harness:
+the flags' values (`ScriptedKill`) and the member's part (`Faults`). The runtime and the engine
+know nothing of it; tests inject their own faults through `LocalJob.hooks` instead.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -35,31 +38,34 @@ from ..runtime.change import Change
 from ..runtime.member import Member
 
 PHASES = ("step", "prepare", "transfer", "vote", "commit")
+ACTIONS = ("kill", "hang", "stall")
 
 
 @dataclass(frozen=True)
 class ScriptedKill:
-    """The member at `rank` of the layout in effect kills (`hang`: stops) its own process at
-    `phase` of step `step`: a failure without notice, at a known point."""
+    """The member at `rank` of the layout in effect kills its own process (`action` "kill"),
+    stops it ("hang") or sleeps ("stall") at `phase` of step `step`: a failure without notice,
+    at a known point."""
 
     step: int
     rank: int
     phase: str = "step"
-    hang: bool = False
+    action: str = "kill"
 
 
-def parse_kill(text: str, hang: bool = False) -> ScriptedKill:
-    """`STEP:RANK[:PHASE]`, e.g. `15:1` or `20:0:vote`."""
+def parse_kill(text: str, action: str = "kill") -> ScriptedKill:
+    """`STEP:RANK[:PHASE]`, e.g. `15:1` or `20:0:vote`, for `--kill`, `--hang` or `--stall`
+    (`action`)."""
     parts = text.split(":")
     if len(parts) == 2:
         parts.append("step")
     if len(parts) != 3 or not all(p.strip().isdigit() for p in parts[:2]) or parts[2] not in PHASES:
         raise InvalidInput(
-            f"{'--hang' if hang else '--kill'} {text!r}: expected STEP:RANK[:PHASE] with PHASE "
+            f"--{action} {text!r}: expected STEP:RANK[:PHASE] with PHASE "
             f"one of {', '.join(PHASES)}, e.g. 15:1 or 20:0:vote"
         )
     step, rank, phase = parts
-    return ScriptedKill(int(step), int(rank), phase, hang)
+    return ScriptedKill(int(step), int(rank), phase, action)
 
 
 class Faults:
@@ -97,8 +103,13 @@ class Faults:
         for kill in self.kills:
             if (kill.phase, kill.step, kill.rank) != (phase, step, rank):
                 continue
-            if self._store().add(keys.kill(step, kill.rank, phase), 1) == 1:  # once per job
-                os.kill(os.getpid(), signal.SIGSTOP if kill.hang else signal.SIGKILL)
+            if self._store().add(keys.kill(step, kill.rank, phase), 1) != 1:
+                continue  # once per job
+            if kill.action == "stall":
+                assert self.member is not None
+                time.sleep(1.5 * self.member.deadlines.op)
+            else:
+                os.kill(os.getpid(), signal.SIGSTOP if kill.action == "hang" else signal.SIGKILL)
 
     def _store(self) -> Store:
         store = getattr(self._stores, "store", None)

@@ -125,6 +125,15 @@ class LocalJob:
                 f"--layout {self.layout.describe()} has {self.layout.world_size} ranks (ep "
                 f"divides dp), not --nprocs {self.nprocs}"
             )
+        steps = self.settings.steps
+        late = [f"--switch {s.step}:{s.text}" for s in self.switches if s.step >= steps] + [
+            f"--{k.action} {k.step}:{k.rank}:{k.phase}" for k in self.kills if k.step >= steps
+        ]
+        if late:
+            raise InvalidInput(
+                f"{', '.join(late)}: the job trains steps 0 to {steps - 1} (--steps {steps}), "
+                "so this would never happen"
+            )
         for label, degrees in [("--layout", self.layout)] + [
             (f"--switch {s.step}:{s.text}", s.degrees) for s in self.switches
         ]:

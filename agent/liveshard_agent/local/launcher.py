@@ -19,7 +19,9 @@ common state exists, the recovery aborts; the job then restarts from its last ch
 this run (`--checkpoint-every`), as the operator restores a job: every process goes, fresh ones
 load the checkpoint in the layout in effect, and the steps since it are trained again (a
 `"restored"` line says from where and why). Without such a checkpoint the job stops with the
-reason.
+reason. When every member's world broke and none died (a member slower than the op deadline,
+`--stall`), the driver rebuilds the world in the same layout from the step they stopped at (a
+switch line with `"trigger": "rebuild"`).
 
 Output (`output`): one JSON line per step (`"event": "step"`), per switch (`"event": "switch"`),
 per lost member (`"event": "lost"`), per member whose world broke (`"event": "broken"`) and per
@@ -204,6 +206,7 @@ class Driver:
         while True:
             assert self.layout is not None
             if set(self.layout.members) <= done:
+                self._unmade()
                 return
             conns = {p.conn: p for p in self.processes.values()}
             for ready in wait(list(conns), timeout=1.0):
@@ -217,6 +220,15 @@ class Driver:
                     continue
                 self._receive(process.name, message, done)
             self._kill_silent()
+
+    def _unmade(self) -> None:
+        """Say which asked-for switches the job ended before making: the pending one (its
+        members were not all prepared in time) and the scripted ones after it."""
+        last = self.job.settings.steps - 1
+        if self.pending is not None:
+            self.emit(output.unmade_line(self.pending.new.describe(), self.pending.at_step, last))
+        for switch in self.script:
+            self.emit(output.unmade_line(switch.degrees.describe(), switch.step, last))
 
     def _kill_silent(self) -> None:
         """Members of the layout in effect that said nothing for `Deadlines.silent` after their
@@ -250,6 +262,7 @@ class Driver:
             case Broke():
                 self.broke.setdefault(name, time.monotonic())
                 self.emit(output.broken_line(message))
+                self._rebuild()
             case Finished():
                 done.add(name)
             case Switched():
@@ -296,17 +309,41 @@ class Driver:
         members = list(self.layout.members)
         for name in self.lost:
             members[members.index(name)] = self._standing_by()
+        self._recover(members, "recovery")
+
+    def _rebuild(self) -> None:
+        """Every member of the layout in effect said its world broke and none is lost (a
+        partition, a member slower than the op deadline): rebuild the world in the same layout
+        from the step they stopped at, as the operator does."""
+        assert self.layout is not None
+        if self.lost or not set(self.layout.members) <= self.broke.keys():
+            return
+        if self.pending is not None:
+            if self._recovering(self.pending):
+                return
+            self._postpone()  # superseded by the rebuild
+        self._recover(list(self.layout.members), "rebuild")
+
+    def _recover(self, members: list[str], trigger: str) -> None:
+        """Ask for the change from the layout in effect to the same degrees over `members`, the
+        lost ones (`self.lost`) replaced: a recovery, or a rebuild when none is lost."""
+        assert self.layout is not None
         self.epoch += 1
         change = Change(
             epoch=self.epoch, old=self.layout,
             new=dataclasses.replace(self.layout, members=tuple(members)), at_step=0,
             lost=frozenset(self.lost), budget=self.job.budget,
         )  # fmt: skip
-        self.pending, self.scripted, self.trigger = change, None, {"trigger": "recovery"}
+        self.pending, self.scripted, self.trigger = change, None, {"trigger": trigger}
         for name in dict.fromkeys(self.layout.members + change.new.members):
             if name in self.processes:
                 with contextlib.suppress(BrokenPipeError, OSError):  # dead too: seen next
                     self.processes[name].conn.send(Prepare(change, self.address))
+
+    @staticmethod
+    def _recovering(change: Change) -> bool:
+        """Whether `change` answers a broken world (a recovery or a rebuild)."""
+        return bool(change.lost) or change.old == change.new
 
     def _bury(self, dead: list[_Process]) -> None:
         for gone in dead:
@@ -382,19 +419,18 @@ class Driver:
         change = self.pending
         if change is None or event.epoch != change.epoch:
             return  # a superseded change, given up
-        if change.lost and not event.committed:
-            self._restore(
-                f"the recovery from the loss of {sorted(change.lost)} failed: {event.reason}"
-            )
+        if self._recovering(change) and not event.committed:
+            what = f"the loss of {sorted(change.lost)}" if change.lost else "a broken world"
+            self._restore(f"the recovery from {what} failed: {event.reason}")
             return
         if not event.report:
             return
         if not event.committed and event.cause is Cause.PEER_FAILED:
-            # A member died or a transfer failed: try again later (after the recovery, when a
-            # member of the layout in effect died: its loss is seen next).
+            # A member died or a transfer failed: try again later (after the recovery or the
+            # rebuild, when a member of the layout in effect died or its world broke: seen next).
             self.emit({**output.switch_line(event), **self.trigger})
             self._postpone()
-            if not self.lost:
+            if not self.lost and not self.broke:
                 self._request_next()
             return
         self._switched(event)
@@ -514,6 +550,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--hang", action="append", default=[], metavar="STEP:RANK[:PHASE]",
                         help="as --kill, but the member stops (SIGSTOP): found silent when its "
                              "peers' world breaks, it is killed and the job recovers")  # fmt: skip
+    parser.add_argument("--stall", action="append", default=[], metavar="STEP:RANK[:PHASE]",
+                        help="as --kill, but the member's training sleeps 1.5 op deadlines: "
+                             "every member's world breaks, none is lost, and the job rebuilds "
+                             "its world in the same layout")  # fmt: skip
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
                         help="default: cuda when available, else cpu")  # fmt: skip
     parser.add_argument(
@@ -571,7 +611,8 @@ def job_from_args(args: argparse.Namespace) -> LocalJob:
         switches=tuple(parse_switch(s) for s in args.switch), checksums=args.checksums,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         resume=args.resume, kills=tuple(parse_kill(k) for k in args.kill)
-        + tuple(parse_kill(k, hang=True) for k in args.hang),
+        + tuple(parse_kill(k, "hang") for k in args.hang)
+        + tuple(parse_kill(k, "stall") for k in args.stall),
     )  # fmt: skip
 
 

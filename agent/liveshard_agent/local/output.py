@@ -1,11 +1,12 @@
 """What `liveshard-local` prints: one JSON line per event, or a progress view on a terminal.
 
-This is the launcher's one output boundary: the members' typed events (`runtime.events`) become
-the lines users and scripts read here, and nowhere else. A line is a dict with `"event"`: `step`,
+This is the launcher's one output boundary: the members' typed events (`runtime.events`) become the
+lines users and scripts read here, and nowhere else. A line is a dict with `"event"`: `step`,
 `samples` (with `LocalJob.record_samples`), `switch`, `checkpoint`, `broken` (a member whose world
-broke) or `lost` (a member whose process died); results and causes are spelled as their string
-values. The format is stable: the tests, the benchmarks and the demo read it. This module must
-not decide anything about the job.
+broke), `lost` (a member whose process died), `silent` (one killed for saying nothing), `restored`
+(a restart from a checkpoint) or `unmade` (a switch the job ended before); results and causes are
+spelled as their string values. The format is stable: the tests, the benchmarks and the demo read
+it. This module must not decide anything about the job.
 """
 
 from __future__ import annotations
@@ -100,6 +101,12 @@ def silent_line(member: str, seconds: float) -> Line:
     return {"event": "silent", "member": member, "seconds": seconds}
 
 
+def unmade_line(to: str, step: int, last: int) -> Line:
+    """A switch to `to` asked for at `step` that the job ended before making (at step `last`)."""
+    return {"event": "unmade", "step": step, "to": to,
+            "reason": f"the job ended at step {last} before every member was ready"}  # fmt: skip
+
+
 def printer(as_json: bool) -> Callable[[Line], None]:
     """JSON lines, or a human-readable progress view of the same lines."""
 
@@ -125,6 +132,9 @@ def printer(as_json: bool) -> Callable[[Line], None]:
                   f"{line['result']}, pause {line['pause_seconds']:.3f} s, prepared in "
                   f"{line['prepare_seconds']:.2f} s, {line['network_bytes'] / 1e6:.1f} MB "
                   f"moved{'' if committed else ': ' + line['reason']}", flush=True)  # fmt: skip
+        elif line["event"] == "unmade":
+            print(f"== switch to {line['to']} at step {line['step']} not made: "
+                  f"{line['reason']}", flush=True)  # fmt: skip
         elif line["event"] == "checkpoint" and line["result"] == "failed":
             print(f"== checkpoint at step {line['step']} to {line['path']} failed: "
                   f"{line['reason']}", flush=True)  # fmt: skip

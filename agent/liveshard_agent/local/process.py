@@ -21,6 +21,7 @@ from typing import cast
 import torch
 
 from ..data.builtin import job_model
+from ..engine.world import wait_closed
 from ..runtime.events import Checkpointed, CheckpointFailed, Event, Report, Stepped
 from ..runtime.loop import Command, Prepare, run_member
 from ..runtime.member import Member
@@ -71,6 +72,7 @@ def member_main(name: str, index: int, job: LocalJob, conn: Connection) -> None:
         run_member(
             member, _PipeInbox(conn, faults), _reporter(job, conn), _before_step(job, faults)
         )
+        wait_closed(30)  # groups closing in the background end before the process does
     except BaseException as err:
         conn.send(Crashed(f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
 

@@ -53,7 +53,7 @@ from ..engine.record import context_logger
 from ..engine.sealed import JobStore, Seal
 from ..engine.switch import Reconfiguration, SwitchHooks, SwitchResult
 from ..engine.vote import Failure, settle
-from ..engine.world import World, close_in_background
+from ..engine.world import World
 from . import checkpoint, recovery
 from .agreement import NONE, Readiness
 from .announcement import AbortAnnounced, Announcement, SwitchAnnounced, announce, announced
@@ -199,7 +199,7 @@ class Member:
                 timeout=self.deadlines.prepare,
             )  # fmt: skip
         except checkpoint.CheckpointError:
-            close_in_background(list(world.groups.values()))  # it stands by, as before
+            world.close()  # it stands by, as before
             raise
         self._train(state, world, scalars)
 
@@ -492,9 +492,7 @@ class Member:
                          "state whole" if self.broken.whole else "update cut", reason)  # fmt: skip
         # Destroying a gloo group closes its connections (aborting it does not): the members
         # waiting on this one fail now, not at their collective's timeout.
-        groups = list(trainer.world.groups.values())
-        trainer.world.groups.clear()
-        close_in_background(groups)
+        trainer.world.close()
         pending = self.pending
         if pending is None or pending.change.lost:
             return self.broken, []

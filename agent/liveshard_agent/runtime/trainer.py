@@ -118,10 +118,14 @@ class Trainer:
         self.settings = settings
         self.dataset = dataset
         self.scalars = scalars
+        self.world = world
         self.bind(state, world)
 
     def bind(self, state: ShardedState, world: World) -> None:
-        """Compute with `state` in `world` from now on (after a committed switch)."""
+        """Compute with `state` in `world` from now on (after a committed switch); a world left
+        is closed in the background."""
+        if world is not self.world:
+            self.world.close()
         self.state, self.world = state, world
         self.weights = Weights.build(state, world)
         self.model = StageModel(self.weights, self.settings)

@@ -42,6 +42,13 @@ def test_the_command_prints_json_lines_and_rejects_a_batch_that_cannot_divide() 
     )  # fmt: skip
     assert bad.returncode == 2
     assert "--switch 5:dp=5: global batch 24 does not divide into dp=5" in bad.stderr
+    late = subprocess.run(
+        [str(LIVESHARD_LOCAL), "--model", "tiny", "--steps", "10", "--switch", "10:dp=2",
+         "--kill", "12:0"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert late.returncode == 2
+    assert "--switch 10:dp=2, --kill 12:0:step: the job trains steps 0 to 9" in late.stderr
 
 
 def test_kill_is_parsed_and_refused_when_malformed() -> None:

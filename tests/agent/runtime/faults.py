@@ -39,6 +39,11 @@ def loses_the_vote(loser: str, late: float, member: str) -> SwitchHooks:
     return SwitchHooks(before_decision=lambda: time.sleep(max(-late, 0)))
 
 
+def slow_prepare(seconds: float, member: str) -> SwitchHooks:
+    """Every member's prepare starts `seconds` late."""
+    return SwitchHooks(before_prepare=lambda: time.sleep(seconds))
+
+
 def cannot_write_once(failing: str, member: str) -> SwitchHooks:
     """Member `failing` cannot write its part of the first checkpoint (its disk is full, as DCP's
     writer sees it); the others write theirs, and every later checkpoint writes as usual (install

@@ -29,8 +29,8 @@ from liveshard_agent.local.launcher import Driver, parse_kill, run_job
 from liveshard_agent.local.output import Line
 from liveshard_agent.runtime.trainer import Scalars
 from liveshard_core.job import Deadlines
-from tests.agent.runtime.faults import loses_the_vote
-from tests.agent.runtime.test_training import assert_same_training, job, switches
+from tests.agent.runtime.faults import loses_the_vote, slow_prepare
+from tests.agent.runtime.test_training import STEPS, assert_same_training, job, switches
 
 FROM, TO = "tp=2,dp=2", "pp=2,dp=2"  # every member sends and receives in this switch
 OLD, NEW = "dp=2,tp=2,pp=1,ep=1,zero=0", "dp=2,tp=1,pp=2,ep=1,zero=0"
@@ -92,7 +92,7 @@ def test_members_whose_collective_fails_only_at_its_timeout_are_not_taken_for_si
 
 
 def test_a_stopped_member_is_found_silent_killed_and_replaced() -> None:
-    stopping = job("tiny", "dp=4", kills=(parse_kill("10:2", hang=True),))
+    stopping = job("tiny", "dp=4", kills=(parse_kill("10:2", "hang"),))
     fast = Deadlines(op=5, switch=10, prepare=30)
     events = run_job(replace(stopping, config=replace(stopping.config, deadlines=fast)))
     (silent,) = [e for e in events if e["event"] == "silent"]
@@ -101,6 +101,32 @@ def test_a_stopped_member_is_found_silent_killed_and_replaced() -> None:
     (recovery,) = [e for e in switches(events) if e["lost"]]
     assert recovery["result"] == "committed" and recovery["step"] == 10
     assert_same_training("tiny", events)
+
+
+def test_a_world_broken_everywhere_with_no_member_lost_is_rebuilt_in_its_layout() -> None:
+    # w1 sleeps past its peers' collective timeouts (a partition that heals, a slow member):
+    # every member's world breaks, each keeps its state, nobody is silent long enough to be
+    # killed; the launcher rebuilds the world in the same layout from the step they stopped at.
+    stalling = job("tiny", "dp=2,zero=1", "12:pp=2", kills=(parse_kill("6:1", "stall"),))
+    fast = Deadlines(op=4, switch=10, prepare=30)
+    events = run_job(replace(stalling, config=replace(stalling.config, deadlines=fast)))
+    assert [e["event"] for e in events if e["event"] in ("lost", "silent", "restored")] == []
+    assert {e["member"] for e in events if e["event"] == "broken"} == {"w0", "w1"}
+    # The scripted switch, prepared when the world broke, is given up and made after the rebuild.
+    given_up, rebuild, scripted = switches(events)
+    assert (given_up["result"], given_up["cause"]) == ("aborted", "peer_failed")
+    assert (rebuild["trigger"], rebuild["result"], rebuild["step"]) == ("rebuild", "committed", 6)
+    assert short(rebuild["from"]) == short(rebuild["to"]) == "dp=2,tp=1,pp=1,ep=1,zero=1"
+    assert scripted["result"] == "committed" and scripted["step"] >= 12
+    assert_same_training("tiny", events)
+
+
+def test_a_switch_the_job_ends_before_is_said_unmade() -> None:
+    events = run_job(job("tiny", "dp=2", f"{STEPS - 2}:dp=1", hooks=partial(slow_prepare, 60)))
+    assert switches(events) == []
+    (unmade,) = [e for e in events if e["event"] == "unmade"]
+    assert (unmade["step"], short(unmade["to"])) == (STEPS - 2, "dp=1,tp=1,pp=1,ep=1,zero=0")
+    assert f"ended at step {STEPS - 1}" in unmade["reason"]
 
 
 def test_a_process_without_the_job_secret_can_neither_abort_nor_steer_a_switch() -> None:
