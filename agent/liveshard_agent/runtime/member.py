@@ -287,7 +287,12 @@ class Member:
     ) -> Checkpointed | CheckpointFailed | None:
         """Save checkpoint `number` to `path` at the first boundary at or after `at_step` at which
         every member of the world has asked for the same number (`export_to`: see
-        `Checkpointed`); at once if the world has trained the job's last step (`at_end`)."""
+        `Checkpointed`); at once if the world has trained the job's last step (`at_end`). The
+        same request again (a step trained again after a recovery asks it again) changes
+        nothing."""
+        asked = _Checkpoint(number, path, at_step, export_to)
+        if self.checkpoint_due == asked:
+            return None
         if self.checkpoint_due is not None and self.checkpoint_due.number >= number:
             raise InvalidInput(
                 f"checkpoint {number}: checkpoint {self.checkpoint_due.number} is still due"
@@ -296,7 +301,7 @@ class Member:
             raise InvalidInput(
                 f"checkpoint {number}: at_step={at_step} is past the job's last step {self.step}"
             )
-        self.checkpoint_due = _Checkpoint(number, path, at_step, export_to)
+        self.checkpoint_due = asked
         return self.at_end()
 
     def at_end(self) -> Checkpointed | CheckpointFailed | None:

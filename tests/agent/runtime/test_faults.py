@@ -16,6 +16,7 @@ import secrets
 from dataclasses import replace
 from datetime import timedelta
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -103,19 +104,25 @@ def test_a_stopped_member_is_found_silent_killed_and_replaced() -> None:
     assert_same_training("tiny", events)
 
 
-def test_a_world_broken_everywhere_with_no_member_lost_is_rebuilt_in_its_layout() -> None:
+def test_a_world_broken_everywhere_with_no_member_lost_is_rebuilt_in_its_layout(
+    tmp_path: Path,
+) -> None:
     # w1 sleeps past its peers' collective timeouts (a partition that heals, a slow member):
     # every member's world breaks, each keeps its state, nobody is silent long enough to be
     # killed; the launcher rebuilds the world in the same layout from the step they stopped at.
-    stalling = job("tiny", "dp=2,zero=1", "12:pp=2", kills=(parse_kill("6:1", "stall"),))
+    # Step 9, trained again, asks again for the checkpoint due after it: the same request.
+    stalling = job("tiny", "dp=2,zero=1", "12:pp=2", kills=(parse_kill("9:1", "stall"),),
+                   checkpoint_dir=str(tmp_path), checkpoint_every=5)  # fmt: skip
     fast = Deadlines(op=4, switch=10, prepare=30)
     events = run_job(replace(stalling, config=replace(stalling.config, deadlines=fast)))
     assert [e["event"] for e in events if e["event"] in ("lost", "silent", "restored")] == []
     assert {e["member"] for e in events if e["event"] == "broken"} == {"w0", "w1"}
+    saved = [(e["step"], e["result"]) for e in events if e["event"] == "checkpoint"]
+    assert saved == [(step, "saved") for step in range(5, STEPS + 1, 5)]
     # The scripted switch, prepared when the world broke, is given up and made after the rebuild.
     given_up, rebuild, scripted = switches(events)
     assert (given_up["result"], given_up["cause"]) == ("aborted", "peer_failed")
-    assert (rebuild["trigger"], rebuild["result"], rebuild["step"]) == ("rebuild", "committed", 6)
+    assert (rebuild["trigger"], rebuild["result"], rebuild["step"]) == ("rebuild", "committed", 9)
     assert short(rebuild["from"]) == short(rebuild["to"]) == "dp=2,tp=1,pp=1,ep=1,zero=1"
     assert scripted["result"] == "committed" and scripted["step"] >= 12
     assert_same_training("tiny", events)

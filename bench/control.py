@@ -1,0 +1,342 @@
+"""The control plane at scale: the real operator driving a job of 64, 256 and 1024 members.
+
+The operator's own reconcile loop (`JobController`: observe, decide, act, status) runs in this
+process, which imports no torch. Its API server is a stand-in (`SimKube`, in memory: the job,
+its pods, Secrets and budget, with merge patches and resourceVersion checks), which counts the
+requests; a pod it is asked to create is started as an agent at an address of its own on the
+loopback (127.x.y.z) by a farm process (`control_agents`): the real agent server, its gRPC API
+over mutual TLS with the certificates and token the operator issued, its status and command
+inbox, a c10d store hosted when asked, around a member that trains nothing (its steps tick every
+`--step-seconds` on a shared clock, and its switch is agreed through the change's store).
+
+For each size, in one run:
+- start: from the job's creation to every member training (the operator creating every pod,
+  the farm starting their agents, the first world prepared and started);
+- steady: one reconcile pass with nothing to do (best and median of 10), and its API requests
+  and agent calls;
+- shrink by 1/64 of the members (at least 1) and grow back: from the spec change to the
+  reconfiguration recorded as committed in the job's status, with the passes it took, the API
+  requests and agent calls made meanwhile. Nothing is transferred, so this is the control
+  overhead of a reconfiguration: the operator's passes, the agents' prepare, the members'
+  agreement on the switch step (they switch two steps after every one is prepared: one to two
+  step times of it are the step boundary, which a real job waits for too) and the commit seen;
+- the operator's memory: its process's peak resident set, against before the job.
+
+Passes run back to back (the operator waits up to 2 s between passes when nothing wakes it; a
+pod or job change wakes it).
+
+    python bench/control.py [--members 64 256 1024] [--out bench/results/control.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import copy
+import itertools
+import json
+import multiprocessing as mp
+import os
+import resource
+import statistics
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs
+
+import yaml
+from common import machine, write_json
+from liveshard_operator import agents
+from liveshard_operator.controller import JobController
+from liveshard_operator.kube import ApiError, Kube
+from liveshard_operator.render import GROUP, JOB_LABEL, PLURAL, VERSION
+
+from liveshard_e2e.kubelet.env import container_env, decode_secret
+
+ROOT = Path(__file__).resolve().parents[1]
+NAMESPACE = "bench"
+JOB = "sim"
+JOB_PATH = f"/apis/{GROUP}/{VERSION}/namespaces/{NAMESPACE}/{PLURAL}/{JOB}"
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), value)
+    return result
+
+
+class SimKube(Kube):
+    """The API server's side of what the operator asks, in memory, with a kubelet that starts
+    each created pod's agent in the farm (see the module's docstring)."""
+
+    def __init__(self, farm: Any) -> None:
+        super().__init__("http://stand-in")
+        self.objects: dict[str, dict[str, Any]] = {}  # by path
+        self.requests: Counter[str] = Counter()
+        self.version = 0
+        self.lock = threading.Lock()
+        self.farm = farm
+        self.farm_lock = threading.Lock()
+        self.ips = (f"127.{1 + i // 250 // 250}.{i // 250 % 250}.{1 + i % 250}"
+                    for i in range(1 << 24))  # fmt: skip
+        self.suffixes = itertools.count(1)
+
+    def request(self, method: str, path: str, body: Any = None, *,
+                query: dict[str, Any] | None = None, content_type: str = "",
+                timeout: float | None = None) -> Any:  # fmt: skip
+        with self.lock:
+            self.requests[method] += 1
+            return self._answer(method, path.split("?")[0], body, query or {})
+
+    def _answer(self, method: str, path: str, body: Any, query: dict[str, Any]) -> Any:
+        if method == "GET" and path == "/api/v1/nodes":
+            return {"items": []}
+        if method == "GET" and path.endswith("/pods") and "labelSelector" in query:
+            key, value = query["labelSelector"].split("=")
+            items = [o for p, o in self.objects.items() if p.startswith(path + "/")
+                     and (o["metadata"].get("labels") or {}).get(key) == value]  # fmt: skip
+            return {"items": copy.deepcopy(items)}
+        if method == "POST":
+            obj = copy.deepcopy(body)
+            meta = obj["metadata"]
+            if "name" not in meta:  # generateName, as the API server completes it
+                meta["name"] = f"{meta['generateName']}{next(self.suffixes):05x}"
+            name = meta["name"]
+            target = f"{path}/{name}"
+            if target in self.objects:
+                raise ApiError(method, path, 409, f"{name} exists")
+            if path.endswith("/secrets") and "stringData" in obj:
+                text = obj.pop("stringData")
+                obj["data"] = {k: base64.b64encode(v.encode()).decode() for k, v in text.items()}
+            self._store(target, obj)
+            if path.endswith("/pods"):
+                threading.Thread(target=self._kubelet, args=(target,), daemon=True).start()
+            return copy.deepcopy(obj)
+        obj = self.objects.get(path.removesuffix("/status"))
+        if obj is None:
+            raise ApiError(method, path, 404, "not found")
+        if method == "GET":
+            return copy.deepcopy(obj)
+        if method == "DELETE":
+            del self.objects[path]
+            if "/pods/" in path:
+                self._to_farm(("stop", obj["metadata"]["name"]))
+            return None
+        if method == "PATCH":
+            wanted = ((body.get("metadata") or {}).get("resourceVersion"))
+            if wanted is not None and wanted != obj["metadata"].get("resourceVersion"):
+                raise ApiError(method, path, 409, "the object has been modified")
+            self._store(path.removesuffix("/status"), merge_patch(obj, body))
+            return None
+        raise ApiError(method, path, 405, "not served by the stand-in")
+
+    def _store(self, path: str, obj: dict[str, Any]) -> None:
+        self.version += 1
+        obj["metadata"]["resourceVersion"] = str(self.version)
+        obj["metadata"].setdefault("creationTimestamp", "2026-01-01T00:00:00Z")
+        self.objects[path] = obj
+
+    def _to_farm(self, message: tuple[Any, ...]) -> Any:
+        with self.farm_lock:
+            self.farm.send(message)
+            return self.farm.recv() if message[0] == "start" else None
+
+    def _kubelet(self, path: str) -> None:
+        """Start the pod's agent, then show it Running with its IP."""
+        with self.lock:
+            pod = copy.deepcopy(self.objects[path])
+            ip = next(self.ips)
+            pod["status"] = {"podIP": ip}
+
+            def lookup(kind: str, name: str) -> dict[str, str] | None:
+                kinds = {"secretRef": "secrets", "configMapRef": "configmaps"}
+                found = self.objects.get(f"/api/v1/namespaces/{NAMESPACE}/{kinds[kind]}/{name}")
+                return decode_secret(found.get("data")) if found else None
+
+            environ = container_env(pod, pod["spec"]["containers"][0], {}, lookup)
+        answer = self._to_farm(("start", pod["metadata"]["name"], environ))
+        with self.lock:
+            if path not in self.objects:
+                return  # deleted meanwhile
+            phase = "Running" if answer[0] == "ready" else "Failed"
+            status = {"phase": phase, "podIP": ip, "conditions": [
+                {"type": "Ready", "status": "True" if phase == "Running" else "False"}]}
+            self._store(path, merge_patch(self.objects[path], {"status": status}))
+
+    def job(self) -> dict[str, Any]:
+        with self.lock:
+            return copy.deepcopy(self.objects[JOB_PATH])
+
+    def scale(self, replicas: int) -> None:
+        with self.lock:
+            job = self.objects[JOB_PATH]
+            self._store(JOB_PATH, merge_patch(job, {"spec": {"replicas": replicas}}))
+
+
+class Calls:
+    """Counts the operator's agent calls, by method."""
+
+    def __init__(self) -> None:
+        self.count: Counter[str] = Counter()
+        self.lock = threading.Lock()
+        original = agents.AgentClient._call
+
+        def counted(client: agents.AgentClient, method: str, request: object) -> object:
+            with self.lock:
+                self.count[method] += 1
+            return original(client, method, request)
+
+        agents.AgentClient._call = counted  # type: ignore[method-assign]
+
+
+def world(job: dict[str, Any]) -> dict[str, Any] | None:
+    return ((job.get("status") or {}).get("reconfiguration") or {}).get("world")
+
+
+def in_flight(job: dict[str, Any]) -> bool:
+    return bool(((job.get("status") or {}).get("reconfiguration") or {}).get("inFlight"))
+
+
+def training(kube: SimKube, controller: JobController, members: int) -> bool:
+    """Whether a world of `members` is committed and nothing is in flight."""
+    job = kube.job()
+    seen = world(job)
+    return seen is not None and len(seen["members"]) == members and not in_flight(job)
+
+
+def until(kube: SimKube, controller: JobController, calls: Calls, members: int,
+          limit: float) -> dict[str, Any]:  # fmt: skip
+    """Run passes back to back until a world of `members` is committed; what it took."""
+    requests, agent_calls = Counter(kube.requests), Counter(calls.count)
+    start = time.perf_counter()
+    passes, pass_seconds = 0, []
+    while not training(kube, controller, members):
+        if time.perf_counter() - start > limit:
+            job = kube.job()
+            raise RuntimeError(f"no world of {members} after {limit} s: {json.dumps(job.get('status'))[:2000]}")
+        began = time.perf_counter()
+        controller.reconcile()
+        pass_seconds.append(time.perf_counter() - began)
+        passes += 1
+    return {
+        "seconds": round(time.perf_counter() - start, 3),
+        "passes": passes,
+        "pass_seconds_total": round(sum(pass_seconds), 3),
+        "pass_seconds_max": round(max(pass_seconds), 3),
+        "api_requests": dict(kube.requests - requests),
+        "agent_calls": dict(calls.count - agent_calls),
+        "epoch": world(kube.job())["epoch"],  # type: ignore[index]
+    }
+
+
+def job_manifest(members: int) -> dict[str, Any]:
+    job = yaml.safe_load((ROOT / "examples" / "tiny-job.yaml").read_text())
+    job["metadata"] = {"name": JOB, "namespace": NAMESPACE, "uid": "bench"}
+    spec = job["spec"]
+    spec.update(replicas=members, minReplicas=1, maxReplicas=members)
+    spec["parallelism"] = {"zero": 0}
+    # Every dp from 1 to `members` divides the global batch's micro-batches: the operator keeps
+    # every member (dp = members) in each size this run asks for.
+    spec["training"].update(globalBatch=_lcm_batch(members), microBatch=1)
+    return job
+
+
+def _lcm_batch(members: int) -> int:
+    """A global batch that dp = `members` and dp = `members` less 1/64 both divide."""
+    import math
+
+    return math.lcm(members, members - _step(members))
+
+
+def _step(members: int) -> int:
+    return max(1, members // 64)
+
+
+def _farm(conn: Any, step_seconds: float, clock_zero: float) -> None:
+    """The farm process's entry: the agents' module (and torch) is imported there only."""
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # 127.x.y.z has no name: c10d warns of each
+    from control_agents import serve_farm
+
+    serve_farm(conn, step_seconds, clock_zero)
+
+
+def one_size(members: int, step_seconds: float) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    farm = ctx.Process(target=_farm, args=(there, step_seconds, time.time()), daemon=True)
+    farm.start()
+    kube = SimKube(here)
+    calls = Calls()
+    events: Counter[str] = Counter()
+    kube._store(JOB_PATH, job_manifest(members))
+    controller = JobController(kube, NAMESPACE, JOB, lambda _j, _t, reason, _m: events.update(
+        [reason]))  # fmt: skip
+    rss_before = _rss()
+    out: dict[str, Any] = {"members": members, "step_seconds": step_seconds}
+    try:
+        out["start"] = until(kube, controller, calls, members, 600)
+        steady, requests, agent_calls = [], Counter(kube.requests), Counter(calls.count)
+        for _ in range(10):
+            began = time.perf_counter()
+            controller.reconcile()
+            steady.append(time.perf_counter() - began)
+        out["steady_pass"] = {
+            "best_seconds": round(min(steady), 4), "median_seconds": round(statistics.median(steady), 4),
+            "api_requests_per_pass": {k: v / 10 for k, v in (kube.requests - requests).items()},
+            "agent_calls_per_pass": {k: v / 10 for k, v in (calls.count - agent_calls).items()},
+        }
+        smaller = members - _step(members)
+        kube.scale(smaller)
+        out["shrink"] = {"to": smaller, **until(kube, controller, calls, smaller, 300)}
+        kube.scale(members)
+        out["grow"] = {"to": members, **until(kube, controller, calls, members, 300)}
+        rss_after = _rss()
+    finally:
+        controller.close()
+        here.send(("quit",))
+        farm.join(30)
+        if farm.is_alive():
+            farm.kill()
+    out["operator_rss_mib"] = {"before": round(rss_before / 2**20, 1),
+                               "with_the_job": round(rss_after / 2**20, 1)}  # fmt: skip
+    out["events"] = dict(events)
+    return out
+
+
+def _rss() -> int:
+    """This process's resident set now, in bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--members", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--step-seconds", type=float, default=0.25)
+    parser.add_argument("--out", default="bench/results/control.json")
+    args = parser.parse_args(argv)
+    assert "torch" not in sys.modules
+    results = []
+    for members in args.members:
+        result = one_size(members, args.step_seconds)
+        print(json.dumps(result), flush=True)
+        results.append(result)
+    assert "torch" not in sys.modules, "the operator's process imported torch"
+    write_json(args.out, {"machine": machine(), "command": "python bench/control.py "
+                          + " ".join(argv if argv is not None else sys.argv[1:]),
+                          "sizes": results})  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

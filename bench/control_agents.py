@@ -1,0 +1,311 @@
+"""The agents of `bench/control.py`: real agent servers around a member that trains nothing.
+
+Each agent is what `liveshard_agent.server.process.serve` builds from its pod's environment (the
+gRPC API over mutual TLS with the job's token, the status board, the command inbox, the member's
+loop `run_member`, a c10d store hosted when asked), with a `SimMember` in place of the `Member`.
+A `SimMember` takes `step_seconds` per step on a clock every member shares (so members of one
+world are at the same step at the same time), is prepared as soon as it is asked, and agrees on
+the switch step with the other members of a change through the change's c10d store, as real
+members agree in their step's all-reduce: each says it is prepared, and the first to see all of
+them prepared records the step two steps ahead, at which every member switches.
+
+`serve_farm` runs in a process of its own, fed over a pipe: ("start", name, ip, environ) starts a
+pod's agent and answers ("ready", name) or ("failed", name, why); ("stop", name) stops one (its
+pod was deleted); ("quit",) ends the farm.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+from typing import Any
+
+from liveshard_agent.engine.world import host_store
+from liveshard_agent.runtime.change import HELD, Change
+from liveshard_agent.runtime.events import Switched
+from liveshard_agent.runtime.loop import run_member
+from liveshard_agent.runtime.member import MemberState
+from liveshard_agent.runtime.trainer import Scalars, StepRecord
+from liveshard_agent.server.config import load
+from liveshard_agent.server.inbox import CommandInbox
+from liveshard_agent.server.reporter import Reporter, observe
+from liveshard_agent.server.requests import Job
+from liveshard_agent.server.rpc import start_server
+from liveshard_agent.server.certs import ServingCertificate
+from liveshard_agent.server.service import AgentService
+from liveshard_agent.server.status import Snapshot, StatusBoard
+from liveshard_core.job import Deadlines, Result, TrainingSettings
+from liveshard_core.layout.layout import Layout
+from liveshard_core.plan.union import union_members
+from liveshard_core.vps.spec import ModelSpec
+from torch.distributed import Store
+
+PREFIX = "sim"  # the keys a change's members agree on, in its store
+
+
+@dataclass
+class _Trainer:
+    """What the member's loop and reporter read of a trainer."""
+
+    layout: Layout
+    scalars: Scalars
+
+
+@dataclass
+class _Pending:
+    change: Change
+    future: Future[None]
+    requested: float
+    said_ready: bool = False
+
+
+class SimMember:
+    """A member that trains nothing: see the module's docstring. It offers what `run_member`,
+    the reporter and the service read of a `Member`."""
+
+    def __init__(self, name: str, settings: TrainingSettings, deadlines: Deadlines,
+                 step_seconds: float, clock_zero: float) -> None:  # fmt: skip
+        self.name, self.settings, self.deadlines = name, settings, deadlines
+        self.step_seconds, self.clock_zero = step_seconds, clock_zero
+        self.trainer: _Trainer | None = None
+        self.epoch = -1
+        self.pending: _Pending | None = None
+        self.checkpoint_due = None
+        self.last_loss: float | None = None
+        self.broken = None
+        self.store: Store | None = None
+
+    # ---- state, as `Member` has it ----
+
+    @property
+    def state(self) -> MemberState:
+        if self.trainer is None:
+            return MemberState.JOINING if self.pending is not None else MemberState.STANDING_BY
+        return MemberState.DONE if self.done else MemberState.TRAINING
+
+    @property
+    def training(self) -> bool:
+        return self.trainer is not None
+
+    @property
+    def layout(self) -> Layout | None:
+        return self.trainer.layout if self.trainer else None
+
+    @property
+    def step(self) -> int:
+        return self.trainer.scalars.step if self.trainer else -1
+
+    @property
+    def done(self) -> bool:
+        return self.trainer is not None and self.step >= self.settings.steps
+
+    @property
+    def speaks(self) -> bool:
+        return self.trainer is not None and self.trainer.layout.rank_of(self.name) == 0
+
+    def use_store(self, store: Store) -> None:
+        self.store = store
+
+    # ---- the clock ----
+
+    def _tick(self) -> int:
+        return int((time.time() - self.clock_zero) / self.step_seconds)
+
+    def _wait_tick(self, tick: int) -> None:
+        delay = self.clock_zero + tick * self.step_seconds - time.time()
+        if delay > 0:
+            time.sleep(delay)
+
+    # ---- commands ----
+
+    def start(self, layout: Layout, epoch: int = 0) -> None:
+        # The first world's step 0 is the tick after the first member came (so all of them
+        # are at step s on tick `zero + s`).
+        zero = self._agreed(f"{PREFIX}/{epoch}/zero", self._tick() + 2)
+        self.trainer = _Trainer(layout, Scalars(seed=self.settings.seed))
+        self.zero, self.epoch = zero, epoch
+
+    def restore(self, layout: Layout, directory: str, epoch: int = 0) -> None:
+        raise RuntimeError("the simulated member keeps no checkpoints")
+
+    def request(self, change: Change) -> list[Switched]:
+        future: Future[None] = Future()
+        future.set_result(None)  # prepared at once: no plan, no groups, no memory
+        self.pending = _Pending(change, future, time.perf_counter())
+        return []
+
+    def set_switch_step(self, epoch: int, at_step: int) -> None:
+        if self.pending is not None and self.pending.change.epoch == epoch:
+            self.pending.change = replace(self.pending.change, at_step=at_step)
+
+    def drop(self, epoch: int, reason: str = "", cause: Any = None) -> Switched:
+        pending = self.pending
+        assert pending is not None and pending.change.epoch == epoch
+        self.pending = None
+        return self._settled(pending, Result.ABORTED, reason or f"epoch {epoch} dropped")
+
+    def request_checkpoint(self, *_: Any) -> None:
+        raise RuntimeError("the simulated member keeps no checkpoints")
+
+    def abandon(self) -> None:
+        self.pending = None
+
+    def at_end(self) -> None:
+        return None
+
+    def break_world(self, error: BaseException) -> Any:
+        raise error  # no collectives: nothing breaks
+
+    # ---- training ----
+
+    def train_step(self) -> StepRecord:
+        trainer = self.trainer
+        assert trainer is not None
+        step = trainer.scalars.step
+        start = time.perf_counter()
+        self._wait_tick(self.zero + step + 1)
+        trainer.scalars = trainer.scalars.advanced(self.settings.global_batch)
+        self.last_loss = 1.0
+        return StepRecord(step=step, loss=1.0, aux_loss=0.0, grad_norm=0.0, lr=0.0,
+                          seconds=time.perf_counter() - start, samples=(), agreement=())  # fmt: skip
+
+    def at_boundary(self) -> list[Switched]:
+        """Switch when every member of the pending change is prepared: at the step recorded
+        by the first member to see it, two steps ahead."""
+        pending = self.pending
+        if pending is None:
+            return []
+        at = self._switch_step(pending)
+        if at is None or self.step < at:
+            return []
+        return [self._switch(pending)]
+
+    def join(self) -> Switched | None:
+        """A member of the new world only: switch once the step is recorded and reached."""
+        pending = self.pending
+        assert pending is not None
+        at = self._switch_step(pending)
+        if at is None:
+            return None
+        store = self.store
+        assert store is not None
+        zero = int(store.get(f"{PREFIX}/{pending.change.epoch}/zero"))
+        self._wait_tick(zero + at)
+        self.zero = zero
+        self.trainer = _Trainer(pending.change.new, Scalars(step=at, seed=self.settings.seed))
+        return self._switch(pending)
+
+    def _switch_step(self, pending: _Pending) -> int | None:
+        store = self.store
+        assert store is not None
+        change = pending.change
+        base = f"{PREFIX}/{change.epoch}"
+        if not pending.said_ready:
+            store.add(f"{base}/ready", 1)
+            pending.said_ready = True
+        if store.check([f"{base}/at"]):
+            return int(store.get(f"{base}/at"))
+        members = union_members(change.old, change.new, change.lost)
+        if change.at_step == HELD or int(store.add(f"{base}/ready", 0)) < len(members):
+            return None
+        if self.trainer is None:
+            return None  # a joining member waits for one of the old world to record it
+        store.set(f"{base}/zero", str(self.zero))
+        return self._agreed(f"{base}/at", max(self.step + 2, change.at_step))
+
+    def _switch(self, pending: _Pending) -> Switched:
+        change = pending.change
+        self.pending = None
+        self.epoch = change.epoch
+        if self.name not in change.new.ranks:
+            self.trainer = None
+        elif self.trainer is not None:
+            self.trainer.layout = change.new
+        return self._settled(pending, Result.COMMITTED, f"epoch {change.epoch}: committed")
+
+    def _settled(self, pending: _Pending, result: Result, reason: str) -> Switched:
+        change = pending.change
+        return Switched(
+            epoch=change.epoch, step=max(self.step, 0), from_layout=change.old.describe(),
+            to_layout=change.new.describe(), result=result, cause=None, reason=reason,
+            pause_seconds=0.0, prepare_seconds=0.0, network_bytes=0,
+            report=self.speaks, lost=tuple(sorted(change.lost)),
+        )  # fmt: skip
+
+    def _agreed(self, key: str, mine: int) -> int:
+        """The value first recorded at `key` in the store (`mine` if this member is first)."""
+        store = self.store
+        assert store is not None
+        return int(store.compare_set(key, "", str(mine)))
+
+
+class _Agent:
+    """One pod's agent: its server and its member's loop, in a thread."""
+
+    def __init__(self, environ: dict[str, str], specs: dict[str, ModelSpec],
+                 step_seconds: float, clock_zero: float) -> None:  # fmt: skip
+        config = load(environ, [])
+        job_config = config.job_config
+        key = environ["LIVESHARD_CONFIG"]
+        if key not in specs:
+            specs[key] = job_config.model_spec("cpu")
+        member = SimMember(config.member, job_config.training, job_config.deadlines,
+                           step_seconds, clock_zero)  # fmt: skip
+        board = StatusBoard(Snapshot(member=config.member, steps=job_config.training.steps))
+        layouts: dict[int, Layout] = {}
+        reporter = Reporter(member, board, config.job, layouts.get)  # type: ignore[arg-type]
+        inbox = CommandInbox(reporter.boundary)
+        serving = ServingCertificate(config.tls) if config.tls is not None else None
+        self.service = AgentService(
+            job=Job(config.member, specs[key], job_config.training, job_config.deadlines,
+                    job_config.budget_bytes),
+            job_name=config.job, pod_ip=config.pod_ip, board=board, inbox=inbox,
+            layouts=layouts, use_deadlines=lambda _: None, host_store=host_store,
+            serving=serving,
+        )  # fmt: skip
+        self.server = start_server(self.service, config.token, config.address, serving)
+        board.update(lambda s: replace(s, ready=True,
+                                       observed=observe(member, s.observed, layouts.get)))  # type: ignore[arg-type]  # fmt: skip
+        self.board = board
+
+        def run() -> None:
+            try:
+                run_member(member, inbox, reporter)  # type: ignore[arg-type]
+            except Exception as err:
+                reporter.fail(f"{type(err).__name__}: {err}")
+
+        self.thread = threading.Thread(target=run, name=f"member {config.member}", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.board.close()
+        self.server.stop(0)
+
+
+def serve_farm(conn: Connection, step_seconds: float, clock_zero: float) -> None:
+    """Serve the agents the operator's pods ask for (see the module's docstring)."""
+    logging.basicConfig(level=logging.WARNING)
+    agents: dict[str, _Agent] = {}
+    specs: dict[str, ModelSpec] = {}
+    while True:
+        message = conn.recv()
+        if message[0] == "quit":
+            for agent in agents.values():
+                agent.stop()
+            return
+        if message[0] == "stop":
+            agent = agents.pop(message[1], None)
+            if agent is not None:
+                agent.stop()
+            continue
+        _, name, environ = message
+        try:
+            agents[name] = _Agent(environ, specs, step_seconds, clock_zero)
+        except Exception as err:
+            conn.send(("failed", name, f"{type(err).__name__}: {err}"))
+        else:
+            conn.send(("ready", name))
