@@ -11,7 +11,7 @@ them prepared records the step two steps ahead, at which every member switches.
 
 `serve_farm` runs in a process of its own, fed over a pipe: ("start", name, ip, environ) starts a
 pod's agent and answers ("ready", name) or ("failed", name, why); ("stop", name) stops one (its
-pod was deleted); ("quit",) ends the farm.
+pod was deleted); ("agreed",) answers `AGREED`; ("quit",) ends the farm.
 """
 
 from __future__ import annotations
@@ -24,27 +24,32 @@ from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
-from liveshard_agent.engine.world import host_store
+from torch.distributed import Store
+
+from liveshard_agent.engine.world import StoreAddress, host_store
 from liveshard_agent.runtime.change import HELD, Change
 from liveshard_agent.runtime.events import Switched
 from liveshard_agent.runtime.loop import run_member
 from liveshard_agent.runtime.member import MemberState
 from liveshard_agent.runtime.trainer import Scalars, StepRecord
+from liveshard_agent.server.certs import ServingCertificate
 from liveshard_agent.server.config import load
 from liveshard_agent.server.inbox import CommandInbox
 from liveshard_agent.server.reporter import Reporter, observe
 from liveshard_agent.server.requests import Job
 from liveshard_agent.server.rpc import start_server
-from liveshard_agent.server.certs import ServingCertificate
 from liveshard_agent.server.service import AgentService
 from liveshard_agent.server.status import Snapshot, StatusBoard
 from liveshard_core.job import Deadlines, Result, TrainingSettings
 from liveshard_core.layout.layout import Layout
 from liveshard_core.plan.union import union_members
 from liveshard_core.vps.spec import ModelSpec
-from torch.distributed import Store
 
 PREFIX = "sim"  # the keys a change's members agree on, in its store
+# By epoch: when its last member said it was prepared (as the member that recorded the switch
+# step saw it) and when the switch step begins, both wall-clock seconds. What lies between is the
+# wait for the step boundary, which is no control overhead.
+AGREED: dict[int, tuple[float, float]] = {}
 
 
 @dataclass
@@ -170,8 +175,9 @@ class SimMember:
         self._wait_tick(self.zero + step + 1)
         trainer.scalars = trainer.scalars.advanced(self.settings.global_batch)
         self.last_loss = 1.0
+        seconds = time.perf_counter() - start
         return StepRecord(step=step, loss=1.0, aux_loss=0.0, grad_norm=0.0, lr=0.0,
-                          seconds=time.perf_counter() - start, samples=(), agreement=())  # fmt: skip
+                          seconds=seconds, samples=(), agreement=())  # fmt: skip
 
     def at_boundary(self) -> list[Switched]:
         """Switch when every member of the pending change is prepared: at the step recorded
@@ -215,7 +221,12 @@ class SimMember:
         if self.trainer is None:
             return None  # a joining member waits for one of the old world to record it
         store.set(f"{base}/zero", str(self.zero))
-        return self._agreed(f"{base}/at", max(self.step + 2, change.at_step))
+        ready = time.time()
+        at = self._agreed(f"{base}/at", max(self.step + 2, change.at_step))
+        AGREED.setdefault(
+            change.epoch, (ready, self.clock_zero + (self.zero + at) * self.step_seconds)
+        )
+        return at
 
     def _switch(self, pending: _Pending) -> Switched:
         change = pending.change
@@ -243,6 +254,22 @@ class SimMember:
         return int(store.compare_set(key, "", str(mine)))
 
 
+class _LazyStore:
+    """A store hosted on first use: the agent keeps a spare store started for the next epoch
+    asked of it, and a thousand idle stores, each with its threads, would measure this
+    machine's scheduler rather than the control plane."""
+
+    def __init__(self, address: StoreAddress, timeout: float) -> None:
+        self.address, self.timeout = address, timeout
+        self._store: Store | None = None
+
+    @property
+    def port(self) -> int:
+        if self._store is None:
+            self._store = host_store(self.address, self.timeout)
+        return int(self._store.port)
+
+
 class _Agent:
     """One pod's agent: its server and its member's loop, in a thread."""
 
@@ -264,7 +291,7 @@ class _Agent:
             job=Job(config.member, specs[key], job_config.training, job_config.deadlines,
                     job_config.budget_bytes),
             job_name=config.job, pod_ip=config.pod_ip, board=board, inbox=inbox,
-            layouts=layouts, use_deadlines=lambda _: None, host_store=host_store,
+            layouts=layouts, use_deadlines=lambda _: None, host_store=_LazyStore,
             serving=serving,
         )  # fmt: skip
         self.server = start_server(self.service, config.token, config.address, serving)
@@ -297,6 +324,9 @@ def serve_farm(conn: Connection, step_seconds: float, clock_zero: float) -> None
             for agent in agents.values():
                 agent.stop()
             return
+        if message[0] == "agreed":
+            conn.send(dict(AGREED))
+            continue
         if message[0] == "stop":
             agent = agents.pop(message[1], None)
             if agent is not None:

@@ -49,3 +49,20 @@ def test_training_benchmark_quick(tmp_path: Path) -> None:
     for r in recoveries.values():
         assert r["lost"] == ["w1"] and r["step"] == 20
         assert r["pause_seconds"] > 0 and r["checkpoint_restart_seconds"] > 0
+
+
+def test_control_benchmark_quick(tmp_path: Path) -> None:
+    # The real operator over 8 simulated agents: started, shrunk by one member and grown back,
+    # each change committed as a new epoch, without torch in the operator's process.
+    report = run_bench("control.py", tmp_path / "control.json")
+    (size,) = report["sizes"]
+    assert size["members"] == 8
+    assert size["start"]["epoch"] < size["shrink"]["epoch"] < size["grow"]["epoch"]
+    assert size["shrink"]["to"] == 7 and size["grow"]["to"] == 8
+    assert (
+        size["shrink"]["agent_calls"]["Release"] == 1 and size["grow"]["api_requests"]["POST"] == 1
+    )
+    for change in (size["shrink"], size["grow"]):
+        assert change["agent_calls"]["Prepare"] == 8
+        assert 0 < change["control_seconds"] < change["seconds"]
+    assert size["steady_pass"]["agent_calls_per_pass"] == {"GetStatus": 8.0}
