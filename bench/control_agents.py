@@ -30,7 +30,7 @@ from liveshard_agent.engine.world import StoreAddress, host_store
 from liveshard_agent.runtime.change import HELD, Change
 from liveshard_agent.runtime.events import Switched
 from liveshard_agent.runtime.loop import run_member
-from liveshard_agent.runtime.member import MemberState
+from liveshard_agent.runtime.member import Member
 from liveshard_agent.runtime.trainer import Scalars, StepRecord
 from liveshard_agent.server.certs import ServingCertificate
 from liveshard_agent.server.config import load
@@ -68,52 +68,23 @@ class _Pending:
     said_ready: bool = False
 
 
-class SimMember:
-    """A member that trains nothing: see the module's docstring. It offers what `run_member`,
-    the reporter and the service read of a `Member`."""
+class SimMember(Member):
+    """A member that trains nothing: see the module's docstring. It keeps `Member`'s view of
+    its state (its properties read the attributes set here) and replaces everything that
+    trains, prepares or switches; `Member.__init__`, which builds the dataset, is not run."""
 
     def __init__(self, name: str, settings: TrainingSettings, deadlines: Deadlines,
                  step_seconds: float, clock_zero: float) -> None:  # fmt: skip
         self.name, self.settings, self.deadlines = name, settings, deadlines
         self.step_seconds, self.clock_zero = step_seconds, clock_zero
-        self.trainer: _Trainer | None = None
+        self.trainer: _Trainer | None = None  # type: ignore[assignment]
         self.epoch = -1
-        self.pending: _Pending | None = None
+        self.pending: _Pending | None = None  # type: ignore[assignment]
         self.checkpoint_due = None
         self.last_loss: float | None = None
         self.broken = None
-        self.store: Store | None = None
-
-    # ---- state, as `Member` has it ----
-
-    @property
-    def state(self) -> MemberState:
-        if self.trainer is None:
-            return MemberState.JOINING if self.pending is not None else MemberState.STANDING_BY
-        return MemberState.DONE if self.done else MemberState.TRAINING
-
-    @property
-    def training(self) -> bool:
-        return self.trainer is not None
-
-    @property
-    def layout(self) -> Layout | None:
-        return self.trainer.layout if self.trainer else None
-
-    @property
-    def step(self) -> int:
-        return self.trainer.scalars.step if self.trainer else -1
-
-    @property
-    def done(self) -> bool:
-        return self.trainer is not None and self.step >= self.settings.steps
-
-    @property
-    def speaks(self) -> bool:
-        return self.trainer is not None and self.trainer.layout.rank_of(self.name) == 0
-
-    def use_store(self, store: Store) -> None:
-        self.store = store
+        self._store: Store | None = None
+        self.zero = 0  # the tick of the job's step 0
 
     # ---- the clock ----
 
@@ -198,7 +169,6 @@ class SimMember:
         if at is None:
             return None
         store = self.store
-        assert store is not None
         zero = int(store.get(f"{PREFIX}/{pending.change.epoch}/zero"))
         self._wait_tick(zero + at)
         self.zero = zero
@@ -207,7 +177,6 @@ class SimMember:
 
     def _switch_step(self, pending: _Pending) -> int | None:
         store = self.store
-        assert store is not None
         change = pending.change
         base = f"{PREFIX}/{change.epoch}"
         if not pending.said_ready:
@@ -250,7 +219,6 @@ class SimMember:
     def _agreed(self, key: str, mine: int) -> int:
         """The value first recorded at `key` in the store (`mine` if this member is first)."""
         store = self.store
-        assert store is not None
         return int(store.compare_set(key, "", str(mine)))
 
 
@@ -284,7 +252,7 @@ class _Agent:
                            step_seconds, clock_zero)  # fmt: skip
         board = StatusBoard(Snapshot(member=config.member, steps=job_config.training.steps))
         layouts: dict[int, Layout] = {}
-        reporter = Reporter(member, board, config.job, layouts.get)  # type: ignore[arg-type]
+        reporter = Reporter(member, board, config.job, layouts.get)
         inbox = CommandInbox(reporter.boundary)
         serving = ServingCertificate(config.tls) if config.tls is not None else None
         self.service = AgentService(
@@ -295,13 +263,14 @@ class _Agent:
             serving=serving,
         )  # fmt: skip
         self.server = start_server(self.service, config.token, config.address, serving)
-        board.update(lambda s: replace(s, ready=True,
-                                       observed=observe(member, s.observed, layouts.get)))  # type: ignore[arg-type]  # fmt: skip
+        board.update(
+            lambda s: replace(s, ready=True, observed=observe(member, s.observed, layouts.get))
+        )
         self.board = board
 
         def run() -> None:
             try:
-                run_member(member, inbox, reporter)  # type: ignore[arg-type]
+                run_member(member, inbox, reporter)
             except Exception as err:
                 reporter.fail(f"{type(err).__name__}: {err}")
 
