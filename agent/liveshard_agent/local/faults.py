@@ -38,7 +38,6 @@ from ..runtime.change import Change
 from ..runtime.member import Member
 
 PHASES = ("step", "prepare", "transfer", "vote", "commit")
-ACTIONS = ("kill", "hang", "stall")
 
 
 @dataclass(frozen=True)

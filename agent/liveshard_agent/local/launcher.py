@@ -141,6 +141,8 @@ class Driver:
         self.max_stages = job.layout.pp  # the stages packing may grow back to
         self.pause = 0.0  # the longest pause measured so far
         self.saved: Checkpointed | None = None  # the last checkpoint saved in this run
+        self.heard: Switched | None = None  # the pending change's commit, as a silent member saw it
+        self.unheard: tuple[int, Line] | None = None  # a change adopted without its line yet
 
     def _spawn(self, name: str) -> None:
         parent, child = self.ctx.Pipe()
@@ -292,6 +294,7 @@ class Driver:
                     return
             elif process.name in change.new.ranks:
                 self._adopt(change)  # it died after the commit was decided
+                self._say_adopted(change)
             else:
                 self._bury([process])  # a leaving member, after the commit
                 return
@@ -344,6 +347,16 @@ class Driver:
     def _recovering(change: Change) -> bool:
         """Whether `change` answers a broken world (a recovery or a rebuild)."""
         return bool(change.lost) or change.old == change.new
+
+    def _say_adopted(self, change: Change) -> None:
+        """The switch line of `change`, adopted when a member died after its commit: the one
+        member that speaks for the new world may be the dead one, or speak later; the first
+        account of the commit that comes, any member's, is the line."""
+        heard = self.heard
+        if heard is not None and heard.epoch == change.epoch:
+            self.emit({**output.switch_line(heard), **self.trigger})
+        else:
+            self.unheard = (change.epoch, self.trigger)
 
     def _bury(self, dead: list[_Process]) -> None:
         for gone in dead:
@@ -416,6 +429,10 @@ class Driver:
     def _settled(self, event: Switched) -> None:
         """A member's account of a switch: the job goes on from the reported one of the pending
         change; a recovery that aborts anywhere ends the job."""
+        if self.unheard is not None and event.epoch == self.unheard[0] and event.committed:
+            self.emit({**output.switch_line(event), **self.unheard[1]})
+            self.unheard = None
+            return
         change = self.pending
         if change is None or event.epoch != change.epoch:
             return  # a superseded change, given up
@@ -424,6 +441,8 @@ class Driver:
             self._restore(f"the recovery from {what} failed: {event.reason}")
             return
         if not event.report:
+            if event.committed:
+                self.heard = event
             return
         if not event.committed and event.cause is Cause.PEER_FAILED:
             # A member died or a transfer failed: try again later (after the recovery or the

@@ -572,7 +572,11 @@ class Member:
             assert pending.announced is not None
             self._train(result.state, result.world, pending.announced)
         if self.checksums:
-            digests["after"] = state_digest(result.state, result.world)
+            try:
+                digests["after"] = state_digest(result.state, result.world)
+            except RuntimeError as err:  # torch's: a member died after the commit; the next
+                # step breaks the world, and this member's account of the commit stands
+                digests["after"] = f"unavailable: {err}".split("\n")[0]
         pause = self._max_over_world(time.perf_counter() - boundary)
         return pending.settled(
             step=self.step, result=Result.COMMITTED, cause=None, reason=result.reason, pause=pause,

@@ -89,6 +89,9 @@ def test_members_whose_collective_fails_only_at_its_timeout_are_not_taken_for_si
     assert lost["member"] == "w0"
     (recovery,) = [e for e in switches(events) if e["lost"]]
     assert recovery["result"] == "committed" and recovery["lost"] == ["w0"]
+    # w0 was to speak for the new world: another member's account of the switch is its line.
+    (switch,) = [e for e in switches(events) if not e["lost"]]
+    assert (switch["epoch"], switch["result"], switch["step"]) == (1, "committed", 10)
     assert_same_training("tiny", events)
 
 
