@@ -9,7 +9,7 @@ the switch step with the other members of a change through the change's c10d sto
 members agree in their step's all-reduce: each says it is prepared, and the first to see all of
 them prepared records the step two steps ahead, at which every member switches.
 
-`serve_farm` runs in a process of its own, fed over a pipe: ("start", name, ip, environ) starts a
+`serve_farm` runs in a process of its own, fed over a pipe: ("start", name, environ) starts a
 pod's agent and answers ("ready", name) or ("failed", name, why); ("stop", name) stops one (its
 pod was deleted); ("agreed",) answers `AGREED`; ("quit",) ends the farm.
 """
