@@ -100,6 +100,8 @@ HOST = "127.0.0.1"
 LOCAL_BANDWIDTH = 1e9  # bytes per second between local processes, for the dry run
 
 
+RECOVERY, REBUILD = "recovery", "rebuild"  # the triggers of changes that answer a broken world
+
 # ---- the driver ----
 
 
@@ -312,7 +314,7 @@ class Driver:
         members = list(self.layout.members)
         for name in self.lost:
             members[members.index(name)] = self._standing_by()
-        self._recover(members, "recovery")
+        self._recover(members, RECOVERY)
 
     def _rebuild(self) -> None:
         """Every member of the layout in effect said its world broke and none is lost (a
@@ -322,10 +324,10 @@ class Driver:
         if self.lost or not set(self.layout.members) <= self.broke.keys():
             return
         if self.pending is not None:
-            if self._recovering(self.pending):
+            if self._recovering():
                 return
             self._postpone()  # superseded by the rebuild
-        self._recover(list(self.layout.members), "rebuild")
+        self._recover(list(self.layout.members), REBUILD)
 
     def _recover(self, members: list[str], trigger: str) -> None:
         """Ask for the change from the layout in effect to the same degrees over `members`, the
@@ -343,10 +345,10 @@ class Driver:
                 with contextlib.suppress(BrokenPipeError, OSError):  # dead too: seen next
                     self.processes[name].conn.send(Prepare(change, self.address))
 
-    @staticmethod
-    def _recovering(change: Change) -> bool:
-        """Whether `change` answers a broken world (a recovery or a rebuild)."""
-        return bool(change.lost) or change.old == change.new
+    def _recovering(self) -> bool:
+        """Whether the pending change answers a broken world (a recovery or a rebuild; a
+        scripted switch to the layout in effect is neither)."""
+        return self.trigger.get("trigger") in (RECOVERY, REBUILD)
 
     def _say_adopted(self, change: Change) -> None:
         """The switch line of `change`, adopted when a member died after its commit: the one
@@ -436,7 +438,7 @@ class Driver:
         change = self.pending
         if change is None or event.epoch != change.epoch:
             return  # a superseded change, given up
-        if self._recovering(change) and not event.committed:
+        if self._recovering() and not event.committed:
             what = f"the loss of {sorted(change.lost)}" if change.lost else "a broken world"
             self._restore(f"the recovery from {what} failed: {event.reason}")
             return

@@ -131,6 +131,20 @@ def test_a_world_broken_everywhere_with_no_member_lost_is_rebuilt_in_its_layout(
     assert_same_training("tiny", events)
 
 
+def test_a_switch_to_the_layout_in_effect_is_no_rebuild_and_waits_for_one() -> None:
+    # The world breaks while a scripted switch to the same layout is pending: the rebuild
+    # supersedes it, and it is made afterwards as scripted.
+    stalling = job("tiny", "dp=2", "9:dp=2", kills=(parse_kill("7:1", "stall"),))
+    fast = Deadlines(op=4, switch=10, prepare=30)
+    events = run_job(replace(stalling, config=replace(stalling.config, deadlines=fast)))
+    given_up, rebuild, scripted = switches(events)
+    assert (given_up["result"], given_up["cause"]) == ("aborted", "peer_failed")
+    assert (rebuild["trigger"], rebuild["result"], rebuild["step"]) == ("rebuild", "committed", 7)
+    assert (scripted["trigger"], scripted["result"]) == ("scripted", "committed")
+    assert scripted["step"] >= 9
+    assert_same_training("tiny", events)
+
+
 def test_a_switch_the_job_ends_before_is_said_unmade() -> None:
     events = run_job(job("tiny", "dp=2", f"{STEPS - 2}:dp=1", hooks=partial(slow_prepare, 60)))
     assert switches(events) == []
