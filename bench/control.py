@@ -207,19 +207,16 @@ class Calls:
         agents.AgentClient._call = counted  # type: ignore[method-assign]  # noqa: SLF001
 
 
-def world(job: dict[str, Any]) -> dict[str, Any] | None:
-    return ((job.get("status") or {}).get("reconfiguration") or {}).get("world")
-
-
-def in_flight(job: dict[str, Any]) -> bool:
-    return bool(((job.get("status") or {}).get("reconfiguration") or {}).get("inFlight"))
+def record(job: dict[str, Any]) -> dict[str, Any]:
+    """The job's `status.reconfiguration` (`world.Record`)."""
+    return dict((job.get("status") or {}).get("reconfiguration") or {})
 
 
 def training(kube: SimKube, members: int) -> bool:
     """Whether a world of `members` is committed and nothing is in flight."""
-    job = kube.job()
-    seen = world(job)
-    return seen is not None and len(seen["members"]) == members and not in_flight(job)
+    seen = record(kube.job())
+    world = seen.get("world")
+    return world is not None and len(world["members"]) == members and not seen.get("inFlight")
 
 
 def until(kube: SimKube, controller: JobController, calls: Calls, members: int,
@@ -250,7 +247,7 @@ def until(kube: SimKube, controller: JobController, calls: Calls, members: int,
         "pass_seconds_max": round(max(pass_seconds), 3),
         "api_requests": dict(kube.requests - requests),
         "agent_calls": dict(calls.count - agent_calls),
-        "epoch": world(kube.job())["epoch"],  # type: ignore[index]
+        "epoch": record(kube.job())["world"]["epoch"],
     }
 
 
@@ -260,8 +257,8 @@ def job_manifest(members: int) -> dict[str, Any]:
     spec = job["spec"]
     spec.update(replicas=members, minReplicas=1, maxReplicas=members)
     spec["parallelism"] = {"zero": 0}
-    # Every dp from 1 to `members` divides the global batch's micro-batches: the operator keeps
-    # every member (dp = members) in each size this run asks for.
+    # Both sizes this run asks for divide the global batch's micro-batches: the operator keeps
+    # every member (dp = members) in each.
     spec["training"].update(globalBatch=_lcm_batch(members), microBatch=1)
     return job
 
@@ -300,7 +297,8 @@ class Farms:
             proc.start()
             self.conns.append(here)
             self.procs.append(proc)
-        self.locks = [threading.Lock() for _ in self.conns]
+        self.locks = [threading.Lock() for _ in self.conns]  # one per farm's pipe
+        self.choosing = threading.Lock()  # the placement below
         self.owner: dict[str, int] = {}
         self.load = [0] * len(self.conns)
 
@@ -310,16 +308,18 @@ class Farms:
             return self.conns[farm].recv() if answer else None
 
     def start(self, name: str, environ: dict[str, str]) -> Any:
-        with self.locks[0]:  # (the choice only)
+        with self.choosing:
             farm = self.load.index(min(self.load))
             self.load[farm] += 1
             self.owner[name] = farm
         return self._ask(farm, ("start", name, environ), answer=True)
 
     def stop(self, name: str) -> None:
-        farm = self.owner.pop(name, None)
+        with self.choosing:
+            farm = self.owner.pop(name, None)
+            if farm is not None:
+                self.load[farm] -= 1
         if farm is not None:
-            self.load[farm] -= 1
             self._ask(farm, ("stop", name), answer=False)
 
     def agreed(self) -> dict[int, tuple[float, float]]:
