@@ -441,9 +441,11 @@ def test_a_worker_killed_without_notice_is_recovered_from_its_replicas(operator:
 def test_a_pipeline_whose_first_layers_freeze_is_rebalanced_live(operator: Kube) -> None:
     kube = operator
     # pp=2 on 2 workers, 2 of the 4 layers each; from step 4 the first 2 layers are frozen
-    # (forward only): the second stage paces the step until a layer moves to the first.
+    # (forward only): the second stage paces the step until a layer moves to the first, which
+    # wins about a third of the step. Returning to 2:2 needs twice the threshold (30 %): a member
+    # slowed by the machine's other processes over most of a window cannot fake that.
     training = {**job(2)["spec"]["training"], "freeze": [{"step": 4, "layers": 2}]}
-    rebalance = {"enabled": True, "windowSteps": 3, "threshold": 0.1}
+    rebalance = {"enabled": True, "windowSteps": 5, "threshold": 0.15}
     steps, start = started(kube, 2, parallelism={"pp": 2, "zero": 0}, training=training,
                            rebalance=rebalance)  # fmt: skip
 
