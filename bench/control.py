@@ -20,6 +20,8 @@ For each size, in one run:
   overhead of a reconfiguration: the operator's passes, the agents' prepare, the members'
   agreement on the switch step (they switch two steps after every one is prepared: one to two
   step times of it are the step boundary, which a real job waits for too) and the commit seen;
+  its parts (`parts_seconds`): until the last member took its Prepare, then until every member
+  said it was prepared, and from the switch step to the commit recorded;
 - the operator's memory: its process's peak resident set, against before the job.
 
 Passes run as the operator's job loop runs them: at once when the job or one of its pods
@@ -191,10 +193,12 @@ class SimKube(Kube):
 
 
 class Calls:
-    """Counts the operator's agent calls, by method."""
+    """Counts the operator's agent calls, by method, and keeps when the last of each returned
+    (wall-clock seconds)."""
 
     def __init__(self) -> None:
         self.count: Counter[str] = Counter()
+        self.returned: dict[str, float] = {}
         self.lock = threading.Lock()
         # The operator's one way to an agent, wrapped (instrumentation of this run only).
         original = agents.AgentClient._call  # noqa: SLF001
@@ -202,7 +206,10 @@ class Calls:
         def counted(client: agents.AgentClient, method: str, request: object) -> object:
             with self.lock:
                 self.count[method] += 1
-            return original(client, method, request)
+            answer = original(client, method, request)
+            with self.lock:
+                self.returned[method] = time.time()
+            return answer
 
         agents.AgentClient._call = counted  # type: ignore[method-assign]  # noqa: SLF001
 
@@ -225,7 +232,7 @@ def until(kube: SimKube, controller: JobController, calls: Calls, members: int,
     at once when the job or a pod changed since the last pass began (the watch wakes the loop),
     else `PERIOD` after it; what it took."""
     requests, agent_calls = Counter(kube.requests), Counter(calls.count)
-    start, cpu = time.perf_counter(), time.process_time()
+    start, cpu, wall = time.perf_counter(), time.process_time(), time.time()
     passes, pass_seconds, seen, began = 0, [], -1, start
     while not training(kube, members):
         while kube.version == seen and time.perf_counter() - began < PERIOD:
@@ -240,6 +247,8 @@ def until(kube: SimKube, controller: JobController, calls: Calls, members: int,
         pass_seconds.append(time.perf_counter() - began)
         passes += 1
     return {
+        "began": wall,
+        "prepared": calls.returned.get("Prepare", 0.0),  # when the last Prepare was taken
         "seconds": round(time.perf_counter() - start, 3),
         "operator_cpu_seconds": round(time.process_time() - cpu, 3),
         "passes": passes,
@@ -370,10 +379,21 @@ def one_size(members: int, step_seconds: float) -> dict[str, Any]:
         kube.scale(members)
         out["grow"] = {"to": members, **until(kube, controller, calls, members, 300)}
         agreed = farms.agreed()
-        for change in (out["shrink"], out["grow"]):
+        for change in (out["start"], out["shrink"], out["grow"]):
+            began, prepared = change.pop("began"), change.pop("prepared")
+            if change is out["start"]:
+                continue
             ready, switch = agreed[change["epoch"]]
             change["step_boundary_wait_seconds"] = round(switch - ready, 3)
             change["control_seconds"] = round(change["seconds"] - (switch - ready), 3)
+            # Where the control overhead goes: until the last member took its Prepare, from
+            # then until every member said it was prepared (each says so at its next step
+            # boundary), and from the switch step to the commit recorded.
+            change["parts_seconds"] = {
+                "prepares_taken": round(prepared - began, 3),
+                "all_said_prepared": round(ready - prepared, 3),
+                "commit_seen": round(began + change["seconds"] - switch, 3),
+            }
         rss_after = _rss()
     finally:
         controller.close()

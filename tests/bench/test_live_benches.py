@@ -65,4 +65,7 @@ def test_control_benchmark_quick(tmp_path: Path) -> None:
     for change in (size["shrink"], size["grow"]):
         assert change["agent_calls"]["Prepare"] == 8
         assert 0 < change["control_seconds"] < change["seconds"]
+        # The last Prepare is taken before every member says it is prepared, and the commit
+        # is recorded after the switch step.
+        assert all(v >= 0 for v in change["parts_seconds"].values()), change
     assert size["steady_pass"]["agent_calls_per_pass"] == {"GetStatus": 8.0}
