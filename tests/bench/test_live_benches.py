@@ -65,7 +65,9 @@ def test_control_benchmark_quick(tmp_path: Path) -> None:
     for change in (size["shrink"], size["grow"]):
         assert change["agent_calls"]["Prepare"] == 8
         assert 0 < change["control_seconds"] < change["seconds"]
-        # The last Prepare is taken before every member says it is prepared, and the commit
-        # is recorded after the switch step.
-        assert all(v >= 0 for v in change["parts_seconds"].values()), change
+        # The commit is recorded after the switch step; every member says it is prepared after
+        # the last Prepare was taken (its answer reaches the operator moments later, at most).
+        parts = change["parts_seconds"]
+        assert parts["prepares_taken"] > 0 and parts["commit_seen"] > 0, parts
+        assert parts["all_said_prepared"] > -0.5, parts
     assert size["steady_pass"]["agent_calls_per_pass"] == {"GetStatus": 8.0}
