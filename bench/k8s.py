@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import math
 import os
 import tempfile
 import time
@@ -231,7 +232,8 @@ def landing(kube: Kube, nodes: list[str]) -> dict[str, Any]:
         "from": last["from"],
         "to": last["to"],
         "uncordon_to_first_step_seconds": round(seconds, 3),
-        "of_which_scheduling_seconds": round(scheduled - opened, 1),  # stamps are whole seconds
+        # The API's stamps are whole seconds, so the node's opening is too: to within 1 s.
+        "of_which_scheduling_seconds": scheduled - math.floor(opened),
         "pause_seconds": last["pauseSeconds"],
         "bytes_moved": last["bytesMoved"],
     }

@@ -71,3 +71,13 @@ def test_control_benchmark_quick(tmp_path: Path) -> None:
         assert parts["prepares_taken"] > 0 and parts["commit_seen"] > 0, parts
         assert parts["all_said_prepared"] > -0.5, parts
     assert size["steady_pass"]["agent_calls_per_pass"] == {"GetStatus": 8.0}
+
+
+def test_store_benchmark_quick(tmp_path: Path) -> None:
+    report = run_bench("store.py", tmp_path / "store.json")
+    assert [r["members"] for r in report["rows"]] == [8, 32]
+    for r in report["rows"]:
+        for key in ("connect_seconds", "reverse_lookup_seconds"):
+            assert 0 <= r[key]["median"] <= r[key]["max"]
+        assert 0 <= r["reverse_lookups_failed"] <= r["members"]
+    assert report["resolver"]["RES_OPTIONS"] == "" and "torch" in report["machine"]

@@ -14,8 +14,10 @@ train on: a checkpoint is never a reason to stop.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Protocol
@@ -85,20 +87,48 @@ class Inbox(Protocol):
 
 
 class _Stores:
-    """The store client of the latest address asked for, connected once (a replayed command
-    reuses it); an older one is dropped here, kept only by the member or world still using it."""
+    """Store clients, each connected once in a thread of its own (a replayed command reuses it),
+    so that a training member goes on stepping while it connects to a change's store: the
+    connect can take seconds (a store whose host is not listening yet; torch's connect looks
+    up the address's host name, on both sides, and a resolver that drops a query waits its
+    timeout, 5 s by default). Once a client is taken, those asked for before it are dropped here,
+    kept only by the member or world still using them."""
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
-        self.clients: dict[StoreAddress, Store] = {}
+        self.clients: dict[StoreAddress, Future[Store]] = {}
+
+    def connect(self, address: StoreAddress) -> Future[Store]:
+        """The client of `address`, connecting unless it is already."""
+        if address not in self.clients:
+            future: Future[Store] = Future()
+            self.clients[address] = future
+            thread = threading.Thread(target=self._connect, args=(address, future), daemon=True)
+            thread.start()
+        return self.clients[address]
+
+    def _connect(self, address: StoreAddress, future: Future[Store]) -> None:
+        try:
+            timeout = timedelta(seconds=self.timeout)
+            future.set_result(TCPStore(address.host, address.port, None, False, timeout))
+        except RuntimeError as err:  # torch's: nothing answered there within the timeout
+            future.set_exception(err)
 
     def __call__(self, address: StoreAddress) -> Store:
-        if address not in self.clients:
-            client = TCPStore(
-                address.host, address.port, None, False, timedelta(seconds=self.timeout)
-            )
-            self.clients = {address: client}
-        return self.clients[address]
+        """The client of `address`, connected (waiting for it); raises what the connect did."""
+        future = self.connect(address)
+        try:
+            client = future.result()
+        except RuntimeError:
+            del self.clients[address]  # asked again, it connects again
+            raise
+        later = list(self.clients)[list(self.clients).index(address) :]
+        self.clients = {each: self.clients[each] for each in later}
+        return client
+
+    def connecting(self, command: Command) -> bool:
+        """Whether `command` waits for a store that is still connecting."""
+        return isinstance(command, Prepare) and not self.connect(command.store).done()
 
 
 def run_member(
@@ -113,15 +143,19 @@ def run_member(
     command. `before_step`
     runs before each step (a periodic checkpoint requested there is agreed in that very step)."""
     stores = _Stores(member.deadlines.op)
+    held: Command | None = None  # taken, waiting for its store while the member trains
     finished = False
     while True:
         state = member.state
         busy = state is MemberState.TRAINING
         waiting = state in (MemberState.JOINING, MemberState.RECOVERING)
-        command = inbox.get(0 if busy or waiting else None)
+        # A command is obeyed before the next is taken (the inbox settles it then), so none is
+        # taken while one is held.
+        command = held if held is not None else inbox.get(0 if busy or waiting else None)
         if isinstance(command, Stop):
             return
-        if command is not None:
+        held = command if busy and command is not None and stores.connecting(command) else None
+        if command is not None and held is None:
             _obey(member, command, stores, report)
             continue
         if busy:

@@ -17,13 +17,14 @@ from pathlib import Path
 
 import grpc
 import pytest
+from torch.distributed import TCPStore
 
 pytest.importorskip("torch", reason="the agent needs torch (the agent extra)")
 
 from liveshard.v1 import agent_pb2 as pb
 from liveshard_core.vps.hf import HfModel
 
-from .agents import CONFIG, Agent, Phase, agents, layout
+from .agents import CONFIG, HOST, Agent, Phase, agents, free_port, layout
 
 Code = grpc.StatusCode
 
@@ -303,3 +304,23 @@ def test_a_world_broken_everywhere_without_a_death_is_rebuilt_in_its_layout(
         for status in switched([a0, a1], 1):
             assert status.last_switch.step == stopped and status.last_switch.network_bytes == 0
         assert trains(a1, stopped).layout == pair
+
+
+def test_a_member_trains_on_while_it_connects_to_a_changes_store(tmp_path: Path) -> None:
+    """2 agent processes: a0 trains alone; a grow to a0 and a1 names a store that nothing serves
+    yet. a0 steps on while it connects; once the store is served, the grow is made."""
+    with agents(["a0", "a1"], tmp_path) as started:
+        a0, a1 = started["a0"], started["a1"]
+        alone = layout(["a0"])
+        a0.call("Prepare", pb.PrepareRequest(epoch=0, store=host_store(a0, 0), to=alone))
+        trains(a0, 1)
+        grow = change(1, pb.StoreAddress(host=HOST, port=free_port()), alone,
+                      layout(["a0", "a1"], dp=2))  # fmt: skip
+        prepare([a0, a1], grow)
+        before = a0.status().step
+        status = trains(a0, before + 3)  # the change shows as preparing meanwhile
+        assert status.epoch == 0 and status.pending.state == pb.Pending.PREPARING
+        served = TCPStore(HOST, grow.store.port, None, True, wait_for_workers=False)
+        for status in switched([a0, a1], 1):
+            assert status.layout == grow.to and status.last_switch.step > before + 3
+        del served
