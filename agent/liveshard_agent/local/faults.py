@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
+from enum import StrEnum
 from typing import Any
 
 from torch.distributed import Store
@@ -40,19 +41,27 @@ from ..runtime.member import Member
 PHASES = ("step", "prepare", "transfer", "vote", "commit")
 
 
+class Fault(StrEnum):
+    """What the member does at the scripted point: the flag that asked for it."""
+
+    KILL = "kill"
+    HANG = "hang"
+    STALL = "stall"
+
+
 @dataclass(frozen=True)
 class ScriptedKill:
-    """The member at `rank` of the layout in effect kills its own process (`action` "kill"),
-    stops it ("hang") or sleeps ("stall") at `phase` of step `step`: a failure without notice,
+    """The member at `rank` of the layout in effect kills its own process (`action` KILL),
+    stops it (HANG) or sleeps (STALL) at `phase` of step `step`: a failure without notice,
     at a known point."""
 
     step: int
     rank: int
     phase: str = "step"
-    action: str = "kill"
+    action: Fault = Fault.KILL
 
 
-def parse_kill(text: str, action: str = "kill") -> ScriptedKill:
+def parse_kill(text: str, action: Fault = Fault.KILL) -> ScriptedKill:
     """`STEP:RANK[:PHASE]`, e.g. `15:1` or `20:0:vote`, for `--kill`, `--hang` or `--stall`
     (`action`)."""
     parts = text.split(":")
@@ -104,11 +113,12 @@ class Faults:
                 continue
             if self._store().add(keys.kill(step, kill.rank, phase), 1) != 1:
                 continue  # once per job
-            if kill.action == "stall":
+            if kill.action is Fault.STALL:
                 assert self.member is not None
                 time.sleep(1.5 * self.member.deadlines.op)
             else:
-                os.kill(os.getpid(), signal.SIGSTOP if kill.action == "hang" else signal.SIGKILL)
+                stop = kill.action is Fault.HANG
+                os.kill(os.getpid(), signal.SIGSTOP if stop else signal.SIGKILL)
 
     def _store(self) -> Store:
         store = getattr(self._stores, "store", None)

@@ -79,13 +79,14 @@ from ..runtime.events import (
 )
 from ..runtime.loop import Prepare, Start, Stop
 from . import output
-from .faults import ScriptedKill, parse_kill
+from .faults import Fault, ScriptedKill, parse_kill
 from .job import LocalJob, ScriptedSwitch, local_config, parse_switch
 from .output import Line
 from .process import Crashed, member_main
 
 __all__ = [
     "Driver",
+    "Fault",
     "LocalJob",
     "ScriptedKill",
     "ScriptedSwitch",
@@ -632,8 +633,8 @@ def job_from_args(args: argparse.Namespace) -> LocalJob:
         switches=tuple(parse_switch(s) for s in args.switch), checksums=args.checksums,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         resume=args.resume, kills=tuple(parse_kill(k) for k in args.kill)
-        + tuple(parse_kill(k, "hang") for k in args.hang)
-        + tuple(parse_kill(k, "stall") for k in args.stall),
+        + tuple(parse_kill(k, Fault.HANG) for k in args.hang)
+        + tuple(parse_kill(k, Fault.STALL) for k in args.stall),
     )  # fmt: skip
 
 

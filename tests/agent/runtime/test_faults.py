@@ -26,7 +26,7 @@ pytest.importorskip("torch", reason="the runtime needs torch (the agent extra)")
 from torch.distributed import TCPStore
 
 from liveshard_agent.engine import keys
-from liveshard_agent.local.launcher import Driver, parse_kill, run_job
+from liveshard_agent.local.launcher import Driver, Fault, parse_kill, run_job
 from liveshard_agent.local.output import Line
 from liveshard_agent.runtime.trainer import Scalars
 from liveshard_core.job import Deadlines
@@ -96,7 +96,7 @@ def test_members_whose_collective_fails_only_at_its_timeout_are_not_taken_for_si
 
 
 def test_a_stopped_member_is_found_silent_killed_and_replaced() -> None:
-    stopping = job("tiny", "dp=4", kills=(parse_kill("10:2", "hang"),))
+    stopping = job("tiny", "dp=4", kills=(parse_kill("10:2", Fault.HANG),))
     fast = Deadlines(op=5, switch=10, prepare=30)
     events = run_job(replace(stopping, config=replace(stopping.config, deadlines=fast)))
     (silent,) = [e for e in events if e["event"] == "silent"]
@@ -114,7 +114,7 @@ def test_a_world_broken_everywhere_with_no_member_lost_is_rebuilt_in_its_layout(
     # every member's world breaks, each keeps its state, nobody is silent long enough to be
     # killed; the launcher rebuilds the world in the same layout from the step they stopped at.
     # Step 9, trained again, asks again for the checkpoint due after it: the same request.
-    stalling = job("tiny", "dp=2,zero=1", "12:pp=2", kills=(parse_kill("9:1", "stall"),),
+    stalling = job("tiny", "dp=2,zero=1", "12:pp=2", kills=(parse_kill("9:1", Fault.STALL),),
                    checkpoint_dir=str(tmp_path), checkpoint_every=5)  # fmt: skip
     fast = Deadlines(op=4, switch=10, prepare=30)
     events = run_job(replace(stalling, config=replace(stalling.config, deadlines=fast)))
@@ -134,7 +134,7 @@ def test_a_world_broken_everywhere_with_no_member_lost_is_rebuilt_in_its_layout(
 def test_a_switch_to_the_layout_in_effect_is_no_rebuild_and_waits_for_one() -> None:
     # The world breaks while a scripted switch to the same layout is pending: the rebuild
     # supersedes it, and it is made afterwards as scripted.
-    stalling = job("tiny", "dp=2", "9:dp=2", kills=(parse_kill("7:1", "stall"),))
+    stalling = job("tiny", "dp=2", "9:dp=2", kills=(parse_kill("7:1", Fault.STALL),))
     fast = Deadlines(op=4, switch=10, prepare=30)
     events = run_job(replace(stalling, config=replace(stalling.config, deadlines=fast)))
     given_up, rebuild, scripted = switches(events)
