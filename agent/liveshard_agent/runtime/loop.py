@@ -87,25 +87,24 @@ class Inbox(Protocol):
 
 
 class _Stores:
-    """Store clients, each connected once in a thread of its own (a replayed command reuses it),
-    so that a training member goes on stepping while it connects to a change's store: the
-    connect can take seconds (a store whose host is not listening yet; torch's connect looks
-    up the address's host name, on both sides, and a resolver that drops a query waits its
-    timeout, 5 s by default). Once a client is taken, those asked for before it are dropped here,
-    kept only by the member or world still using them."""
+    """The store client of the latest address asked for, connected once (a replayed command
+    reuses it) in a thread of its own, so that a training member steps on while it connects to a
+    change's store. That can take seconds: a store whose host is not listening yet, or torch's
+    lookup of the address's host name, which waits the resolver's timeout (5 s by default) when
+    the DNS server drops the query. An older client is dropped here, kept only by the member or
+    world still using it."""
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
-        self.clients: dict[StoreAddress, Future[Store]] = {}
+        self.latest: tuple[StoreAddress, Future[Store]] | None = None
 
     def connect(self, address: StoreAddress) -> Future[Store]:
         """The client of `address`, connecting unless it is already."""
-        if address not in self.clients:
+        if self.latest is None or self.latest[0] != address:
             future: Future[Store] = Future()
-            self.clients[address] = future
-            thread = threading.Thread(target=self._connect, args=(address, future), daemon=True)
-            thread.start()
-        return self.clients[address]
+            threading.Thread(target=self._connect, args=(address, future), daemon=True).start()
+            self.latest = (address, future)
+        return self.latest[1]
 
     def _connect(self, address: StoreAddress, future: Future[Store]) -> None:
         try:
@@ -116,15 +115,11 @@ class _Stores:
 
     def __call__(self, address: StoreAddress) -> Store:
         """The client of `address`, connected (waiting for it); raises what the connect did."""
-        future = self.connect(address)
         try:
-            client = future.result()
+            return self.connect(address).result()
         except RuntimeError:
-            del self.clients[address]  # asked again, it connects again
+            self.latest = None  # asked again, it connects again
             raise
-        later = list(self.clients)[list(self.clients).index(address) :]
-        self.clients = {each: self.clients[each] for each in later}
-        return client
 
     def connecting(self, command: Command) -> bool:
         """Whether `command` waits for a store that is still connecting."""
