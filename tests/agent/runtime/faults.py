@@ -1,5 +1,6 @@
 """Switch hooks the training tests install in member processes (`LocalJob.hooks`), and faults
-they inject there through the same factory (a checkpoint write that fails).
+they inject there through the same factory (a checkpoint write that fails, files that cannot
+grow).
 
 A job goes to every member's process when it is spawned, so its hooks factory must pickle: a
 function of this module, or a `functools.partial` of one.
@@ -8,6 +9,8 @@ function of this module, or a `functools.partial` of one.
 from __future__ import annotations
 
 import errno
+import resource
+import signal
 import time
 from typing import Any
 
@@ -61,4 +64,13 @@ def cannot_write_once(failing: str, member: str) -> SwitchHooks:
             return write(self, *args, **kwargs)
 
         FileSystemWriter.write_data = full  # type: ignore[method-assign]
+    return SwitchHooks()
+
+
+def cannot_grow_files(member: str) -> SwitchHooks:
+    """Every member's process may write no byte to a file (its file size limit is 0, as `ulimit
+    -f 0` sets it): the kernel refuses each write with EFBIG, as a full disk refuses it with
+    ENOSPC, whoever runs the test, root included."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails instead of killing
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
     return SwitchHooks()

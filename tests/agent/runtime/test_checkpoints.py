@@ -1,10 +1,10 @@
 """Checkpoints that cannot be saved: local jobs of 2 processes (gloo, CPU) that train `tiny` for 30
 steps with a checkpoint every 10, compared with the one-process run of `test_training`.
 
-A checkpoint that fails (its path is a regular file, a read-only directory, one member's write
-fails) is reported by a `checkpoint` line with `"result": "failed"` and the reason, nothing is
-left at its path, and the job trains to its end with the same losses; a later checkpoint saves
-and restores as usual.
+A checkpoint that fails (its path is a regular file, a read-only directory, no byte can be
+written, one member's write fails) is reported by a `checkpoint` line with `"result": "failed"`
+and the reason, nothing is left at its path, and the job trains to its end with the same losses;
+a later checkpoint saves and restores as usual.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("torch", reason="the runtime needs torch (the agent extra)")
 
 from liveshard_agent.local.launcher import run_job
-from tests.agent.runtime.faults import cannot_write_once
+from tests.agent.runtime.faults import cannot_grow_files, cannot_write_once
 from tests.agent.runtime.test_training import RTOL, STEPS, assert_same_training, job, losses
 
 
@@ -51,6 +51,19 @@ def test_checkpoints_to_a_read_only_directory_fail_and_training_goes_on(tmp_path
     assert [c["result"] for c in saves] == ["failed"] * 3
     assert all("Permission denied" in c["reason"] for c in saves)
     assert list(locked.iterdir()) == []
+    assert_same_training("tiny", events)
+
+
+def test_checkpoints_no_byte_of_which_can_be_written_fail_and_training_goes_on(
+    tmp_path: Path,
+) -> None:
+    events = run_job(job("tiny", "dp=2", checkpoint_dir=str(tmp_path), checkpoint_every=10,
+                         hooks=cannot_grow_files))  # fmt: skip
+    saves = checkpoints(events)
+    assert [(c["step"], c["result"]) for c in saves] == [(10, "failed"), (20, "failed"),
+                                                          (30, "failed")]  # fmt: skip
+    assert all("File too large" in c["reason"] for c in saves)
+    assert list(tmp_path.iterdir()) == []
     assert_same_training("tiny", events)
 
 
