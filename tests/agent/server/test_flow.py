@@ -17,9 +17,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from torch.distributed import TCPStore
 
 pytest.importorskip("torch", reason="the agent needs torch (the agent extra)")
+
+from torch.distributed import TCPStore
 
 from liveshard.v1 import agent_pb2 as pb
 from liveshard_core.vps.hf import HfModel
