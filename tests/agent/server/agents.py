@@ -69,16 +69,20 @@ class Agent:
 
     def __init__(self, member: str, log_dir: Path, **env: Any) -> None:
         self.member = member
-        self.port = free_port()
+        self.env = env
         self.log_path = log_dir / f"{member}.log"
         self.log = self.log_path.open("wb")
+        self.metadata = (("authorization", f"Bearer {TOKEN}"),)
+        self._start()
+
+    def _start(self) -> None:
+        self.port = free_port()
         self.proc = subprocess.Popen(
-            [AGENT], env=agent_env(member, self.port, **env), stdout=self.log,
+            [AGENT], env=agent_env(self.member, self.port, **self.env), stdout=self.log,
             stderr=subprocess.STDOUT,
         )  # fmt: skip
         self.channel = grpc.insecure_channel(f"{HOST}:{self.port}")
         self.stub = pb_grpc.AgentStub(self.channel)
-        self.metadata = (("authorization", f"Bearer {TOKEN}"),)
 
     def call(self, method: str, request: Any, **kwargs: Any) -> Any:
         kwargs.setdefault("metadata", self.metadata)
@@ -97,8 +101,12 @@ class Agent:
         raise AssertionError(f"{self.member}: {method}({request}) was accepted")
 
     def wait_ready(self, timeout: float = START_WAIT) -> pb.AgentStatus:
-        deadline = time.monotonic() + timeout
+        deadline, restarts = time.monotonic() + timeout, 3
         while time.monotonic() < deadline:
+            if self.proc.poll() is not None and restarts and self._port_taken():
+                restarts -= 1
+                self.channel.close()
+                self._start()
             if self.proc.poll() is not None:
                 raise AssertionError(f"{self.member} exited with {self.proc.returncode}:\n"
                                      f"{self.output()}")  # fmt: skip
@@ -111,6 +119,11 @@ class Agent:
                     raise
             time.sleep(0.2)
         raise AssertionError(f"{self.member} not ready after {timeout} s:\n{self.output()}")
+
+    def _port_taken(self) -> bool:
+        """Whether the agent could not bind its port: another process took it between
+        `free_port` and the agent's bind."""
+        return f"cannot serve on {HOST}:{self.port}" in self.output()
 
     def wait_for(
         self, what: str, check: Callable[[pb.AgentStatus], bool], timeout: float = WAIT
