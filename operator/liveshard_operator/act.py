@@ -30,6 +30,7 @@ from .actions import (
     Action,
     Begin,
     Checkpoint,
+    CommitOn,
     CreatePod,
     DeletePod,
     Event,
@@ -223,7 +224,7 @@ class Executor:
                 self._do(decision, action)
         decision = self._answer(decision)
         self.write(decision.status)
-        calls = [a for a in decision.after if isinstance(a, Prepare | ReleaseMember)]
+        calls = [a for a in decision.after if isinstance(a, Prepare | ReleaseMember | CommitOn)]
         self._fan_out(lambda action: self._do(decision, action), calls)
         for action in decision.after:
             if action not in calls:
@@ -281,6 +282,12 @@ class Executor:
                 self._prepare(action)
             case AbortOn():
                 self._abort(action)
+            case CommitOn(member=member, epoch=epoch):
+                try:
+                    self.clients[member].switch(epoch, 0)
+                except (AgentError, KeyError) as err:  # told again on the next pass
+                    log.warning("job %s: telling %s that epoch %s committed: %s", self.name,
+                                member, epoch, err)  # fmt: skip
             case Event():
                 self._post(decision, action)
             case _:

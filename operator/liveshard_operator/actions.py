@@ -78,6 +78,15 @@ class AbortOn:
 
 
 @dataclass(frozen=True)
+class CommitOn:
+    """Tell `member`, undecided in `epoch` (its store died before it read the decision), that the
+    epoch committed: another member trains in it."""
+
+    member: str
+    epoch: int
+
+
+@dataclass(frozen=True)
 class Event:
     """A Kubernetes Event on the job."""
 
@@ -86,7 +95,7 @@ class Event:
     message: str
 
 
-Action = CreatePod | DeletePod | ReleaseMember | LabelPod | Prepare | AbortOn | Event
+Action = CreatePod | DeletePod | ReleaseMember | LabelPod | Prepare | AbortOn | CommitOn | Event
 
 
 @dataclass(frozen=True)

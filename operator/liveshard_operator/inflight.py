@@ -5,9 +5,11 @@ the decision is recovered from on the next pass), abort it when none did and one
 member vanished or its deadline passed (then retry with backoff, or restore from a checkpoint
 when the same recovery would abort again), and otherwise wait, sending Prepare to whoever has not
 taken it yet. An abort is recorded only if no agent answers that the epoch is already in effect
-(`decision.overtaken`). Some members committed and others aborted happens only when the store's
-host died between their reads of the decision: the job then fails (`SplitReconfiguration`).
-Pure, like `decide`.
+(`decision.overtaken`). A member whose store died before it read the decision is undecided
+(`Pending.UNDECIDED`): the operator tells it the decision the others read, commit when any member
+trains in the epoch, else abort once no member is still switching (one may have read a commit and
+not said so yet). Some members committed and others aborted cannot happen; should it, the job
+fails (`SplitReconfiguration`). Pure, like `decide`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from liveshard.v1 import agent_pb2 as pb
 from liveshard_core.job import Result
 
 from . import rebalance
-from .actions import AbortOn, DeletePod, Event, EventType, ReleaseMember
+from .actions import AbortOn, CommitOn, DeletePod, Event, EventType, ReleaseMember
 from .decision import Draft, prepares
 from .messages import cause_of, result_of
 from .observation import trains_in
@@ -45,6 +47,12 @@ def _gave_up(agent: pb.AgentStatus, epoch: int) -> bool:
     return aborted or (failed and pending.state == pb.Pending.FAILED)
 
 
+def _pending_in(agent: pb.AgentStatus, epoch: int, *states: int) -> bool:
+    """Whether the agent has `epoch` pending in one of `states`."""
+    pending = agent.pending
+    return agent.HasField("pending") and pending.epoch == epoch and pending.state in states
+
+
 def progress(draft: Draft, plan: InFlight) -> None:
     """The next step of `plan`, in flight."""
     pods = draft.seen.pods
@@ -59,18 +67,33 @@ def progress(draft: Draft, plan: InFlight) -> None:
     vanished = [m for m in union if m not in pods or pods[m].gone]
     overdue = draft.now - plan.started > draft.job.spec.deadlines.total + 60
     there = [m for m in plan.new.members if m not in vanished]
+    undecided = [m for m, a in agents.items() if _pending_in(a, plan.epoch, pb.Pending.UNDECIDED)]
+    # A member still switching may have read a commit and not said so yet.
+    switching = [
+        m for m, a in agents.items()
+        if m not in vanished and _pending_in(a, plan.epoch, pb.Pending.PREPARED)
+    ]  # fmt: skip
     if trained and not aborted and len(trained) == len(there):
         _commit(draft, plan, agents, trained[0])
     elif trained and aborted:
         _split(draft, plan, trained, aborted)
     elif trained:
+        draft.after += [CommitOn(m, plan.epoch) for m in undecided]
+        told = f"; telling {', '.join(undecided)} it committed" if undecided else ""
         draft.message = (
             f"epoch {plan.epoch}: {len(trained)}/{len(there)} members switched; "
-            f"{len(vanished)} vanished after the decision"
+            f"{len(vanished)} vanished after the decision{told}"
         )
-    elif aborted or vanished or overdue:
+    elif undecided and switching and not overdue:
+        draft.message = (
+            f"epoch {plan.epoch}: {', '.join(undecided)} could not read the decision; waiting "
+            f"for {', '.join(switching)} to end the switch"
+        )
+    elif aborted or vanished or overdue or undecided:
         why = (f"aborted by {', '.join(aborted)}" if aborted else
-               f"lost {', '.join(vanished)}" if vanished else "deadline passed")  # fmt: skip
+               f"lost {', '.join(vanished)}" if vanished else
+               f"no member read the decision ({', '.join(undecided)} could not)" if undecided
+               else "deadline passed")  # fmt: skip
         detail = next((agents[m].last_switch.reason or agents[m].pending.reason
                        for m in aborted), "")  # fmt: skip
         why = f"{why}: {detail}" if detail else why
@@ -133,11 +156,12 @@ def _abort(draft: Draft, plan: InFlight, why: str, agents: dict[str, pb.AgentSta
 
 
 def _split(draft: Draft, plan: InFlight, trained: list[str], failed: list[str]) -> None:
-    """Some members committed and others aborted (the store's host died between their reads of
-    the decision): no world is whole. Only a checkpoint can bring the job back."""
+    """Some members committed and others aborted: the switch protocol forbids it (every member
+    acts on the one recorded decision, or is undecided until told), so this guards against a
+    breach. No world is whole; only a checkpoint can bring the job back."""
     message = (
-        f"epoch {plan.epoch}: members {trained} committed but {failed} aborted (the store's "
-        "host failed while the decision was read); restore the job from a checkpoint"
+        f"epoch {plan.epoch}: members {trained} committed but {failed} aborted; restore the job "
+        "from a checkpoint"
     )
     draft.failure = Failure("SplitReconfiguration", message)
     draft.after.append(Event(EventType.WARNING, "SplitReconfiguration", message))

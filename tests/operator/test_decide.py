@@ -14,6 +14,7 @@ from liveshard_operator.actions import (
     Action,
     Begin,
     Checkpoint,
+    CommitOn,
     CreatePod,
     DeletePod,
     Event,
@@ -49,6 +50,7 @@ from tests.operator.values import (
 )
 
 COMMITTED, ABORTED = pb.SwitchSummary.COMMITTED, pb.SwitchSummary.ABORTED
+UNDECIDED = pb.Pending.UNDECIDED
 M, S = render.MEMBER, render.STANDBY
 
 
@@ -67,6 +69,8 @@ def brief(action: Action) -> str:
             return f"prepare {name} {epoch}"
         case AbortOn(member=name, epoch=epoch):
             return f"abort {name} {epoch}"
+        case CommitOn(member=name, epoch=epoch):
+            return f"commit {name} {epoch}"
         case Event(type=kind, reason=reason):
             return f"{kind.value} {reason}"
     raise AssertionError(action)
@@ -456,7 +460,30 @@ CASES: dict[str, Case] = {
         changed={"in_flight": None, "attempts": 1, "retry_after": NOW + backoff(1)},
         degraded="ReconfigurationAborted",
     ),
-    "in flight: some members committed, some aborted (the store's host died): Failed": Case(
+    "in flight: the store's host died; p1 read the commit, p2 could not: p2 is told": Case(
+        J3, seen(pod("p0", None, gone=True, role=M), pod("p1", training(2), role=M),
+                 pod("p2", standby(pending=pending(2, UNDECIDED)), role=S)),
+        Record(world=W2, in_flight=GROW, last_epoch=2), "Reconfiguring",
+        after=["commit p2 2"], message="telling p2 it committed",
+    ),
+    "in flight: p2 could not read the decision, p1 is still switching: wait for p1": Case(
+        J3, seen(pod("p0", None, gone=True, role=M),
+                 pod("p1", training(1, pending=pending(2)), role=M),
+                 pod("p2", standby(pending=pending(2, UNDECIDED)), role=S)),
+        Record(world=W2, in_flight=GROW, last_epoch=2), "Reconfiguring",
+        message="p2 could not read the decision; waiting for p1 to end the switch",
+    ),
+    "in flight: no member read the decision: every undecided one aborts": Case(
+        J3, seen(pod("p0", training(1, pending=pending(2, UNDECIDED)), role=M),
+                 pod("p1", training(1, pending=pending(2, UNDECIDED)), role=M),
+                 pod("p2", standby(pending=pending(2, UNDECIDED)), role=S)),
+        Record(world=W2, in_flight=GROW, last_epoch=2), "Running",
+        before=["abort p0 2", "abort p1 2", "abort p2 2"],
+        after=["Warning ReconfigurationAborted"],
+        changed={"in_flight": None, "attempts": 1, "retry_after": NOW + backoff(1)},
+        degraded="ReconfigurationAborted",
+    ),
+    "in flight: some members committed, some aborted (a protocol breach): Failed": Case(
         J3, seen(pod("p0", training(2), role=M),
                  pod("p1", training(1, last_switch=switch(2, ABORTED)), role=M),
                  pod("p2", standby(pending=pending(2)), role=S)),
@@ -704,7 +731,7 @@ def test_an_abort_degrades_the_job_and_says_why() -> None:
 
 
 def test_failures_name_their_reason() -> None:
-    split = CASES["in flight: some members committed, some aborted (the store's host died): Failed"]
+    split = CASES["in flight: some members committed, some aborted (a protocol breach): Failed"]
     status = decide(split.seen, split.record, split.job, NOW).status
     assert condition(status, "Failed")["reason"] == "SplitReconfiguration"
     owed = CASES["a restore owed without a checkpoint: Failed"]

@@ -11,6 +11,7 @@ from liveshard_core.job import Cause
 
 __all__ = [
     "Cause",
+    "DecisionUnknown",
     "EpochReused",
     "ForgedValue",
     "PhaseError",
@@ -61,3 +62,10 @@ class ForgedValue(RetryableError):
             "as it is, and it is refused"
         )
         self.key = key
+
+
+class DecisionUnknown(RetryableError):
+    """The store that holds a switch's decision failed before this member could record or read
+    it (its host died): whether the epoch committed is known only to the members that read it."""
+
+    cause = Cause.VOTE_INCOMPLETE

@@ -32,7 +32,10 @@ restores the old state from the host copy on abort.
 Deadlines, short to long (`liveshard_core.job.Deadlines`): one operation < the switch deadline <
 the prepare deadline. A deadline that passes aborts; nothing waits longer. A member that dies
 *during* the vote all-reduce can let it complete at some members only: the recorded decision keeps
-them together. Known window: the store's host dying between two members' reads of the decision.
+them together. When the store's host dies before a member has read the decision, the member acts
+alone only on an abort no commit can contradict (`vote.stands_alone`); otherwise it is UNDECIDED:
+it keeps its old state and its shadow, both whole, and `resolve` ends the switch as it is told
+(whoever tells it commits it when any member trains in the epoch, and aborts it otherwise).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import partial
 
 import torch
 from torch.distributed import Store
@@ -60,7 +64,7 @@ from liveshard_core.vps.spec import ModelSpec, TensorRef
 from .agreement import agree_on_digest, agree_on_traffic, claim_epoch
 from .backend import Group
 from .checksum import Checksums, MovedSums
-from .errors import Cause, PhaseError, PrepareTimeout, TransferError
+from .errors import Cause, DecisionUnknown, PhaseError, PrepareTimeout, TransferError
 from .executor import Memory, SwitchMemory, SwitchSide, TransferStats, run_program
 from .modes import MemoryMode, Verification
 from .offload import BoundedMemory
@@ -69,7 +73,7 @@ from .record import SwitchRecord, context_logger, switch_record
 from .resident import ResidentMemory
 from .sealed import JobStore, Seal
 from .state import ShardedState, region_boxes
-from .vote import Failure, decide, settle
+from .vote import Failure, decide, settle, stands_alone
 from .world import World, close_in_background, union_group
 
 __all__ = [
@@ -98,6 +102,7 @@ class Phase(Enum):
     COMMITTED = "committed"
     ABORTED = "aborted"
     FAILED = "failed"  # prepare failed or passed its deadline
+    UNDECIDED = "undecided"  # switched, but the decision could not be read: waits for `resolve`
 
 
 @dataclass(frozen=True)
@@ -126,6 +131,7 @@ class SwitchResult:
     seconds: dict[str, float] = field(default_factory=dict)  # the pause: transfer (with local
     # copies and checksums that overlap it; in the bounded mode also the host copy, also given
     # alone as host_copy), checksum_new (the whole new state's, with Verification.STATE), vote
+    undecided: bool = False  # the decision could not be read: `Reconfiguration.resolve` ends it
 
 
 class Reconfiguration:
@@ -183,6 +189,7 @@ class Reconfiguration:
         self._memory: SwitchMemory | None = None  # the memory mode's, allocated in prepare
         self._moved: MovedSums | None = None
         self._digest = ""
+        self._resolve: Callable[[Failure | None], SwitchResult] | None = None  # while UNDECIDED
 
     @property
     def phase(self) -> Phase:
@@ -428,19 +435,85 @@ class Reconfiguration:
                     outcome = outcome or Failure(
                         Cause.VOTE_INCOMPLETE, f"epoch {self.epoch}: {self.member}: {err}"
                     )
-        recorded = settle(self.job_store, self.epoch, outcome)
+        finish = partial(
+            self._finish, broken=broken, old_state=old_state, shadow=shadow, mode=mode,
+            stats=stats, memory=memory, seconds=seconds, begin=begin, vote_began=start,
+        )  # fmt: skip
+        try:
+            recorded = settle(self.job_store, self.epoch, outcome)
+        except DecisionUnknown as err:
+            if not stands_alone(failure is not None, outcome):
+                seconds["vote"] = time.perf_counter() - start
+                seconds["pause"] = time.perf_counter() - begin  # so far
+                return self._undecided(finish, str(err), stats, memory, seconds)
+            recorded = outcome
         # An abort keeps this member's own reason where it has one: the most precise.
         outcome = None if recorded is None else outcome or recorded
         if outcome is None and failure is not None:  # a commit needs every member's yes
             raise AssertionError(f"epoch {self.epoch}: commit recorded over {self.member}'s no")
-        seconds["vote"] = time.perf_counter() - start
-        if outcome is not None and not broken:
-            # Operations a failure left pending would each hold the group's teardown for a
-            # whole timeout; aborting ends them (and tells peers still waiting) at once.
-            self.union.abort()
-        # The union group is done either way; it closes in the background, off the pause.
-        spent, self.union = [self.union], None
-        close_in_background(spent)
+        return finish(outcome)
+
+    def _undecided(
+        self,
+        finish: Callable[[Failure | None], SwitchResult],
+        why: str,
+        stats: TransferStats,
+        memory: Memory,
+        seconds: dict[str, float],
+    ) -> SwitchResult:
+        """The decision cannot be read and this member's view cannot stand alone: keep the old
+        state and the shadow, both whole, until `resolve` says which the epoch's decision was."""
+        self._phase = Phase.UNDECIDED
+        self._resolve = finish
+        if self.union is not None:
+            spent, self.union = [self.union], None
+            close_in_background(spent)
+        self.log.warning("undecided: %s; waiting to be told the decision", why)
+        record = switch_record(
+            job=self.job, epoch=self.epoch, member=self.member, old=self.old, new=self.new,
+            cause=Cause.VOTE_INCOMPLETE, reason=why, verification=self.verification,
+            stats=stats, memory=memory, seconds={**self.seconds, **seconds},
+        )  # fmt: skip
+        return SwitchResult(
+            False, Cause.VOTE_INCOMPLETE, why, None, None, stats, memory, record, seconds,
+            undecided=True,
+        )  # fmt: skip
+
+    def resolve(self, commit: bool, why: str = "") -> SwitchResult:
+        """Act on the decision an undecided member is told (`commit`, or abort for `why`): the
+        same end as a switch that read it from the store."""
+        self._advance((Phase.UNDECIDED,), Phase.SWITCHING)
+        finish, self._resolve = self._resolve, None
+        assert finish is not None
+        told = None if commit else Failure(
+            Cause.VOTE_INCOMPLETE, f"epoch {self.epoch}: aborted as told ({why or 'no reason'})"
+        )  # fmt: skip
+        return finish(told)
+
+    def _finish(
+        self,
+        outcome: Failure | None,
+        *,
+        broken: bool,
+        old_state: ShardedState | None,
+        shadow: ShardedState | None,
+        mode: SwitchMemory,
+        stats: TransferStats,
+        memory: Memory,
+        seconds: dict[str, float],
+        begin: float,
+        vote_began: float,
+    ) -> SwitchResult:
+        """Commit (`outcome` None) or abort, as decided."""
+        seconds["vote"] = time.perf_counter() - vote_began
+        if self.union is not None:
+            if outcome is not None and not broken:
+                # Operations a failure left pending would each hold the group's teardown for a
+                # whole timeout; aborting ends them (and tells peers still waiting) at once.
+                self.union.abort()
+            # The union group is done either way; it closes in the background, off the pause.
+            spent, self.union = [self.union], None
+            close_in_background(spent)
         if outcome is None:
             self._phase = Phase.COMMITTED
             if old_state is not None:

@@ -33,7 +33,7 @@ from liveshard_core.vps.spec import ModelSpec
 from . import keys
 from .backend import Group
 from .checksum import Checksums, MovedSums
-from .errors import Cause, ForgedValue
+from .errors import Cause, DecisionUnknown, ForgedValue
 from .modes import Verification
 from .sealed import JobStore
 
@@ -140,20 +140,34 @@ def decide(
 
 def settle(store: JobStore, epoch: int, proposal: Failure | None) -> Failure | None:
     """Record `proposal` (None: commit) as `epoch`'s decision, sealed, unless one was recorded
-    first, and return the recorded one: the decision every member acts on. A member that cannot
-    reach the store aborts (its view of a commit cannot be confirmed), and so does one that finds
-    a decision without the job's seal recorded first (`ForgedValue`): it is never acted on, and
-    every member reads the same one."""
+    first, and return the recorded one: the decision every member acts on. A member that finds a
+    decision without the job's seal recorded first (`ForgedValue`) aborts: it is never acted on,
+    and every member reads the same one. Raises `DecisionUnknown` when the store cannot be
+    reached: the caller alone knows whether its view can stand without it (`stands_alone`)."""
     mine = {"commit": True} if proposal is None else {
         "cause": proposal.cause.value, "reason": proposal.reason
     }  # fmt: skip
     key = keys.decision(epoch, store.tag(epoch))
     try:
         recorded = json.loads(store.first(key, json.dumps(mine)))
-    except (RuntimeError, ForgedValue) as err:  # RuntimeError: torch's store errors
+    except ForgedValue as err:
         return proposal or Failure(
             Cause.VOTE_INCOMPLETE, f"epoch {epoch}: the decision could not be recorded: {err}"
         )
+    except RuntimeError as err:  # torch's: the store's host is gone
+        raise DecisionUnknown(
+            f"epoch {epoch}: the store failed before the decision could be recorded or read: "
+            + f"{err}".split("\n")[0]
+        ) from err
     if recorded.get("commit"):
         return None
     return Failure(Cause(recorded["cause"]), str(recorded["reason"]))
+
+
+def stands_alone(voted_no: bool, view: Failure | None) -> bool:
+    """Whether a member may act on its own view of the vote when the decision cannot be read:
+    an abort where no commit can have been recorded anywhere (it voted no, or its all-reduce
+    completed with a no or a checksum mismatch, which every member that completed it saw too).
+    A commit, or an all-reduce that failed here (it may have completed at the others, all yes),
+    cannot: the member is undecided until told which was recorded."""
+    return voted_no or (view is not None and view.cause is not Cause.VOTE_INCOMPLETE)

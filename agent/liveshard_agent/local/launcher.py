@@ -72,12 +72,14 @@ from ..runtime.events import (
     Broke,
     Checkpointed,
     CheckpointFailed,
+    Decided,
     Finished,
     Refused,
     Stepped,
     Switched,
+    Undecided,
 )
-from ..runtime.loop import Prepare, Start, Stop
+from ..runtime.loop import Drop, Prepare, Start, Stop, SwitchAt
 from . import output
 from .faults import Fault, ScriptedKill, parse_kill
 from .job import LocalJob, ScriptedSwitch, local_config, parse_switch
@@ -272,6 +274,10 @@ class Driver:
                 done.add(name)
             case Switched():
                 self._settled(message)
+            case Undecided(epoch=epoch, reason=why):
+                self._tell(name, epoch, why)
+            case Decided():
+                pass  # its Switched follows
             case _:
                 raise RuntimeError(f"member {name} sent {message!r}, which is no event")
 
@@ -428,6 +434,17 @@ class Driver:
         name = next(self.names)
         self._spawn(name)
         return name
+
+    def _tell(self, name: str, epoch: int, why: str) -> None:
+        """A member could not read `epoch`'s decision (its store failed: `why`): the launcher,
+        which hosts the store, reads it for it, recording an abort unless a commit came first,
+        and tells the member (`SwitchAt` commits an undecided switch, `Drop` aborts it)."""
+        told = Failure(Cause.VOTE_INCOMPLETE, f"epoch {epoch}: {name} could not read it: {why}")
+        process = self.processes[name]
+        if settle(self.sealed, epoch, told) is None:
+            process.conn.send(SwitchAt(epoch, 0))
+        else:
+            process.conn.send(Drop(epoch))
 
     def _settled(self, event: Switched) -> None:
         """A member's account of a switch: the job goes on from the reported one of the pending

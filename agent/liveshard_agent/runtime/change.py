@@ -45,6 +45,15 @@ class Change:
     verify: bool = True
 
 
+@dataclass(frozen=True)
+class Unsettled:
+    """A switch whose decision this member could not read: when its pause began, and the
+    digests taken before it, for the account it gives once told."""
+
+    boundary: float
+    digests: dict[str, str]
+
+
 @dataclass
 class Pending:
     """A change this member prepares, or has prepared, and has not settled yet."""
@@ -57,6 +66,7 @@ class Pending:
     announced: Scalars | None = None  # the scalars its switch step was announced with
     waiting_since: float | None = None  # a joining member's first look for the announcement
     published: bool = False  # a broken member told the recovery's store where its world broke
+    undecided: Unsettled | None = None  # switched, its decision unread (`Member.decided`)
 
     def failure(self) -> tuple[str, Cause | None] | None:
         """Why its prepare failed, and the cause a switch would abort with; None if it did not

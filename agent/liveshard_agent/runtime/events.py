@@ -1,9 +1,11 @@
 """What a member's loop reports (`loop.run_member`'s `report`): one typed value per event.
 
 `Stepped` after every step the member trains, `Switched` for each change it settled (committed or
-aborted, its own account), `Checkpointed` for each checkpoint saved, `CheckpointFailed` for each
-one that could not be (the member trains on), `Broke` when its world broke, `Finished` once when
-the job has trained its last step, and `Refused` for a command it would not obey. The consumers
+aborted, its own account) after `Decided` (the decision it acts on, said before the switch's last
+collectives), `Undecided` for a switch whose decision it could not read,
+`Checkpointed` for each checkpoint saved, `CheckpointFailed` for each one that could not be (the
+member trains on), `Broke` when its world broke, `Finished` once when the job has trained its
+last step, and `Refused` for a command it would not obey. The consumers
 (the agent's server, the local launcher) branch on these types and turn them into their own
 output at their own boundary; this module holds values only, it must not know how anyone prints
 them. They pickle: the local launcher sends them between processes.
@@ -59,6 +61,26 @@ class Switched:
 
 
 @dataclass(frozen=True)
+class Decided:
+    """The member acts on epoch `epoch`'s decision (`committed` or not) and is in the world it
+    trains in next; its `Switched` account follows once the switch's last collectives end."""
+
+    member: str
+    epoch: int
+    committed: bool
+
+
+@dataclass(frozen=True)
+class Undecided:
+    """The member switched epoch `epoch` but could not read its decision (the change's store
+    failed): it keeps its old state and its new one and waits to be told (`reason`: why)."""
+
+    member: str
+    epoch: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class Checkpointed:
     """Checkpoint `number` saved at `step` to `path`; `report` as for `Switched`. `export_to`:
     where it was asked to be exported (by the server, which fills in `export_error` if that
@@ -111,5 +133,15 @@ class Refused:
     message: str
 
 
-Event = Stepped | Switched | Checkpointed | CheckpointFailed | Broke | Finished | Refused
+Event = (
+    Stepped
+    | Switched
+    | Decided
+    | Undecided
+    | Checkpointed
+    | CheckpointFailed
+    | Broke
+    | Finished
+    | Refused
+)
 Report = Callable[[Event], None]

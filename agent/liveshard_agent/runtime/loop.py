@@ -1,5 +1,8 @@
 """A member's loop: train while in a world, switch and checkpoint when agreed, obey commands.
 
+A member that switched but could not read the decision (`MemberState.UNDECIDED`: the change's
+store failed) takes commands only: a `SwitchAt` of its epoch commits it, a `Drop` aborts it.
+
 When a step or what follows it at the boundary fails in a collective (torch raises RuntimeError:
 a peer died or timed out), the world is broken: the loop reports `Broke` and the member waits,
 state kept, for a recovery (see `Member.break_world`).
@@ -138,6 +141,7 @@ def run_member(
     command. `before_step`
     runs before each step (a periodic checkpoint requested there is agreed in that very step)."""
     stores = _Stores(member.deadlines.op)
+    member.on_decided = report
     held: Command | None = None  # taken, waiting for its store while the member trains
     finished = False
     while True:
@@ -172,7 +176,7 @@ def run_member(
                 time.sleep(_JOIN_POLL)
             else:
                 report(switched)
-        if member.done and not finished:
+        if member.done and not finished and member.state is not MemberState.UNDECIDED:
             member.abandon()
             try:
                 saved = member.at_end()
@@ -215,6 +219,8 @@ def _obey(member: Member, command: Command, stores: _Stores, report: Report) -> 
             member.use_store(stores(command.store))
             for superseded in member.request(command.change):
                 report(superseded)
+        elif isinstance(command, SwitchAt) and member.state is MemberState.UNDECIDED:
+            report(member.decided(command.epoch, commit=True))  # some member read a commit
         elif isinstance(command, SwitchAt):
             member.set_switch_step(command.epoch, command.at_step)
         elif isinstance(command, Drop):

@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from enum import Enum
@@ -48,7 +49,7 @@ from liveshard_core.vps.hf import HfModel
 from liveshard_core.vps.spec import ModelSpec
 
 from ..engine import keys
-from ..engine.errors import ForgedValue
+from ..engine.errors import DecisionUnknown, ForgedValue
 from ..engine.record import context_logger
 from ..engine.sealed import JobStore, Seal
 from ..engine.switch import Reconfiguration, SwitchHooks, SwitchResult
@@ -57,9 +58,9 @@ from ..engine.world import World
 from . import checkpoint, recovery
 from .agreement import NONE, Readiness
 from .announcement import AbortAnnounced, Announcement, SwitchAnnounced, announce, announced
-from .change import HELD, Change, Pending, max_over_world, state_digest
+from .change import HELD, Change, Pending, Unsettled, max_over_world, state_digest
 from .data import job_dataset, tokenizer_of
-from .events import Checkpointed, CheckpointFailed, Switched
+from .events import Checkpointed, CheckpointFailed, Decided, Switched, Undecided
 from .pretrained import load_pretrained
 from .recovery import Breakage, BreakReport
 from .trainer import Scalars, StepRecord, Trainer, initial_state
@@ -76,6 +77,7 @@ class MemberState(Enum):
     DONE = "done"  # in a world that trained the job's last step
     BROKEN = "broken"  # its world broke; it keeps its state and waits for a recovery
     RECOVERING = "recovering"  # its world broke and a recovery is pending
+    UNDECIDED = "undecided"  # switched, the decision unread (its store died): waits to be told
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,7 @@ class Member:
         self._agreement: Readiness | None = None  # the last step's readiness, summed
         self.broken: Breakage | None = None
         self._broken_at = 0.0
+        self.on_decided: Callable[[Decided], None] | None = None  # see `_decided`
         self.log = context_logger(log, job=job, epoch=self.epoch, member=name)
 
     # ---- state ----
@@ -147,6 +150,8 @@ class Member:
 
     @property
     def state(self) -> MemberState:
+        if self.pending is not None and self.pending.undecided is not None:
+            return MemberState.UNDECIDED
         # A broken world outranks the rest: its member holds a trainer but may not train.
         if self.broken is not None:
             return MemberState.RECOVERING if self.pending is not None else MemberState.BROKEN
@@ -245,14 +250,14 @@ class Member:
             checkpoint=due.number if due else NONE,
         )  # fmt: skip
 
-    def at_boundary(self) -> list[Switched | Checkpointed | CheckpointFailed]:
+    def at_boundary(self) -> list[Switched | Undecided | Checkpointed | CheckpointFailed]:
         """Called by every training member after every step: checkpoint and switch if due, as
         the values the step's all-reduce summed say (the same on every member)."""
         trainer, agreed = self.trainer, self._agreement
         assert trainer is not None, f"{self.name} is standing by"
         assert agreed is not None, "a step comes first"
         boundary = time.perf_counter()
-        events: list[Switched | Checkpointed | CheckpointFailed] = []
+        events: list[Switched | Undecided | Checkpointed | CheckpointFailed] = []
         due = self.checkpoint_due
         if due is not None and agreed.same_checkpoint and trainer.scalars.step >= due.at_step:
             events.append(self._checkpoint(due))
@@ -358,6 +363,11 @@ class Member:
             )
         superseded = []
         pending = self.pending
+        if pending is not None and pending.undecided is not None:
+            raise InvalidInput(
+                f"{self.name}: epoch {pending.change.epoch} is undecided here (its store failed "
+                "before the decision was read); it must be told the decision first"
+            )
         recovery = bool(change.lost) or broken is not None
         if pending is not None and recovery and change.epoch > pending.change.epoch:
             superseded.append(
@@ -402,9 +412,12 @@ class Member:
         announcement are told, and the abort is recorded as the epoch's decision, so that no
         member can commit it. Safe at any moment: a switch needs every member to have it."""
         pending = self._pending_epoch(epoch)
+        if pending.undecided is not None:
+            return self.decided(epoch, commit=False, why=reason)
         self.pending = None
         pending.reconfig.abort()
-        settle(self.job_store, epoch, Failure(cause, reason))
+        with contextlib.suppress(DecisionUnknown):  # the store is gone: no member can read it
+            settle(self.job_store, epoch, Failure(cause, reason))
         if self.speaks or self.broken is not None:
             with contextlib.suppress(RuntimeError):  # torch's: the store is gone, none reads it
                 announce(self.job_store, epoch, AbortAnnounced(reason))
@@ -414,8 +427,9 @@ class Member:
         )  # fmt: skip
 
     def abandon(self) -> None:
-        """Drop a pending change that will never be switched (the job ended first)."""
-        if self.pending is not None:
+        """Drop a pending change that will never be switched (the job ended first); an undecided
+        one waits to be told its decision."""
+        if self.pending is not None and self.pending.undecided is None:
             self.drop(self.pending.change.epoch, "the job ended before the switch")
 
     def _pending_epoch(self, epoch: int) -> Pending:
@@ -437,7 +451,7 @@ class Member:
             if mine != announced:
                 raise RuntimeError(f"training scalars {mine} differ from the announced {announced}")
 
-    def join(self) -> Switched | None:
+    def join(self) -> Switched | Undecided | None:
         """Called repeatedly by a member that is not in the old world, or whose world broke:
         switch with the others once the step is announced; None while it is not (yet). A joining
         member waits at most the prepare deadline after its own prepare ended."""
@@ -537,21 +551,42 @@ class Member:
 
     # ---- the switch ----
 
-    def _switch(self, boundary: float) -> Switched:
+    def _switch(self, boundary: float) -> Switched | Undecided:
         pending, trainer = self.pending, self.trainer
         assert pending is not None
-        change = pending.change
         digests: dict[str, str] = {}
         if self.checksums and trainer is not None and self.broken is None:
             digests["before"] = state_digest(trainer.state, trainer.world)
         old_state = trainer.state if trainer is not None else None
         result: SwitchResult = pending.reconfig.switch(old_state)
+        if result.undecided:
+            pending.undecided = Unsettled(boundary, digests)
+            return Undecided(self.name, pending.change.epoch, result.reason)
+        return self._settle(pending, result, boundary, digests)
+
+    def decided(self, epoch: int, commit: bool, why: str = "") -> Switched:
+        """End the switch of `epoch`, undecided here, as told: commit it (some member read a
+        commit) or abort it (none did; `why`)."""
+        pending = self._pending_epoch(epoch)
+        unsettled = pending.undecided
+        if unsettled is None:
+            raise InvalidInput(f"{self.name}: epoch {epoch} is pending, not undecided")
+        self.log.info("epoch %s: told to %s it", epoch, "commit" if commit else "abort")
+        result = pending.reconfig.resolve(commit, why)
+        return self._settle(pending, result, unsettled.boundary, unsettled.digests)
+
+    def _settle(
+        self, pending: Pending, result: SwitchResult, boundary: float, digests: dict[str, str]
+    ) -> Switched:
+        """Act on the switch's end: train on in the new world, stand by, or keep the old one."""
+        trainer, change = self.trainer, pending.change
         self.pending = None
         if not result.committed:
             # A joining member has nothing to keep: it stands by again.
             if trainer is not None and (self.broken is None or result.state is not trainer.state):
                 assert result.state is not None
                 trainer.bind(result.state, trainer.world)  # the same state, kept as it was
+            self._decided(Decided(self.name, change.epoch, committed=False))
             elapsed = time.perf_counter() - boundary
             pause = elapsed if self.broken is not None else self._max_over_world(elapsed)
             return pending.settled(
@@ -571,6 +606,7 @@ class Member:
         else:
             assert pending.announced is not None
             self._train(result.state, result.world, pending.announced)
+        self._decided(Decided(self.name, change.epoch, committed=True))
         if self.checksums:
             try:
                 digests["after"] = state_digest(result.state, result.world)
@@ -582,6 +618,13 @@ class Member:
             step=self.step, result=Result.COMMITTED, cause=None, reason=result.reason, pause=pause,
             report=self.speaks, digests=digests, outcome=result,
         )  # fmt: skip
+
+    def _decided(self, event: Decided) -> None:
+        """Say how the switch ended before the collectives that close it (digests, the pause's
+        maximum), which wait for every member of the world: one undecided there waits for
+        whoever sees this."""
+        if self.on_decided is not None:
+            self.on_decided(event)
 
     def _max_over_world(self, seconds: float) -> float:
         return max_over_world(self.trainer.world if self.trainer is not None else None, seconds)

@@ -20,11 +20,13 @@ from ..runtime.events import (
     Broke,
     Checkpointed,
     CheckpointFailed,
+    Decided,
     Event,
     Finished,
     Refused,
     Stepped,
     Switched,
+    Undecided,
 )
 from .status import Phase
 
@@ -137,8 +139,8 @@ class Metrics:
                 self.breaks.inc()
             case Refused():
                 self.refusals.inc()
-            case Finished():
-                pass  # the phase says so
+            case Finished() | Decided() | Undecided():
+                pass  # the phase, or the pending state, says so
 
     def set_phase(self, phase: Phase) -> None:
         for each, series in self._phases.items():

@@ -29,6 +29,7 @@ from ..runtime.events import (
     Refused,
     Stepped,
     Switched,
+    Undecided,
 )
 from ..runtime.member import Member, MemberState
 from .inbox import Ticket
@@ -56,7 +57,9 @@ def observe(
     view = None
     if pending is not None:
         state, reason = PendingState.PREPARING, ""
-        if pending.future.done():
+        if pending.undecided is not None:
+            state, reason = PendingState.UNDECIDED, "the decision could not be read"
+        elif pending.future.done():
             error = pending.future.exception()
             state = PendingState.FAILED if error else PendingState.PREPARED
             reason = f"{type(error).__name__}: {error}" if error else ""
@@ -131,6 +134,9 @@ class Reporter:
                 )
                 self.log.warning("checkpoint %s at step %s to %s failed: %s", event.number,
                                  event.step, event.path, event.reason)  # fmt: skip
+            case Undecided(epoch=epoch, reason=reason):
+                update["message"] = f"epoch {epoch} is undecided here: {reason}"
+                self.log.warning("%s; waiting to be told the decision", update["message"])
             case Broke(breakage=breakage):
                 update["message"] = f"the world broke at step {breakage.step}: {breakage.reason}"
                 self.log.warning("%s; waiting for a recovery", update["message"])

@@ -36,6 +36,7 @@ class PendingState(Enum):
     PREPARING = pb.Pending.PREPARING
     PREPARED = pb.Pending.PREPARED
     FAILED = pb.Pending.FAILED
+    UNDECIDED = pb.Pending.UNDECIDED
 
 
 @dataclass(frozen=True)

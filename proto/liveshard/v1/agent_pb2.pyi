@@ -228,10 +228,12 @@ class Pending(_message.Message):
         PREPARING: _ClassVar[Pending.State]
         PREPARED: _ClassVar[Pending.State]
         FAILED: _ClassVar[Pending.State]
+        UNDECIDED: _ClassVar[Pending.State]
     STATE_UNSPECIFIED: Pending.State
     PREPARING: Pending.State
     PREPARED: Pending.State
     FAILED: Pending.State
+    UNDECIDED: Pending.State
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     AT_STEP_FIELD_NUMBER: _ClassVar[int]

@@ -116,14 +116,16 @@ class AgentServicer:
 
     def Switch(self, request, context):
         """Let a prepared reconfiguration switch at the first step boundary at or after `at_step` at
-        which every member is prepared (the members agree on the step among themselves).
+        which every member is prepared (the members agree on the step among themselves). To a member
+        UNDECIDED in that epoch: commit it (some member read a commit; `at_step` is ignored).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Give up a reconfiguration that has not switched yet; the job keeps its layout.
+        """Give up a reconfiguration that has not switched yet; the job keeps its layout. To a member
+        UNDECIDED in that epoch: abort it (no member read a commit).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -7,13 +7,16 @@ transaction in one process: plan, digest agreement, a one-member union group (gl
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import time
+from datetime import timedelta
 
 import pytest
 
 torch = pytest.importorskip("torch", reason="the transfer engine needs torch (the agent extra)")
 
-from torch.distributed import HashStore  # noqa: E402
+from torch.distributed import HashStore, TCPStore  # noqa: E402
 
 from liveshard_agent.engine.errors import (  # noqa: E402
     Cause,
@@ -24,7 +27,7 @@ from liveshard_agent.engine.errors import (  # noqa: E402
     TransferError,
 )
 from liveshard_agent.engine.state import ShardedState  # noqa: E402
-from liveshard_agent.engine.switch import Phase, Reconfiguration  # noqa: E402
+from liveshard_agent.engine.switch import Phase, Reconfiguration, SwitchHooks  # noqa: E402
 from liveshard_core.errors import InvalidInput, PermanentError, RetryableError  # noqa: E402
 from liveshard_core.job import Deadlines  # noqa: E402
 from liveshard_core.layout.layout import Layout  # noqa: E402
@@ -105,8 +108,6 @@ def test_prepare_is_bounded_by_its_deadline() -> None:
 
 
 def test_vote_no_from_a_hook_aborts_and_keeps_the_old_state() -> None:
-    from liveshard_agent.engine.switch import SwitchHooks
-
     def refuse() -> None:
         raise RuntimeError("not today")
 
@@ -118,6 +119,73 @@ def test_vote_no_from_a_hook_aborts_and_keeps_the_old_state() -> None:
     assert result.cause is Cause.VOTE_NO
     assert "not today" in result.reason
     assert result.state is state and not state.released and state.matches_seed(3) == []
+    assert reconfig.phase is Phase.ABORTED
+
+
+def store_in_a_process() -> tuple[subprocess.Popen[str], TCPStore]:
+    """A c10d store served by a process of its own, which a test can kill, and a client."""
+    serve = (
+        "import time; from torch.distributed import TCPStore; "
+        "s = TCPStore('127.0.0.1', 0, None, True); print(s.port, flush=True); time.sleep(600)"
+    )
+    host = subprocess.Popen([sys.executable, "-c", serve], stdout=subprocess.PIPE, text=True)
+    assert host.stdout is not None
+    port = int(host.stdout.readline())
+    return host, TCPStore("127.0.0.1", port, None, False, timedelta(seconds=10))
+
+
+@pytest.mark.parametrize("commit", [True, False], ids=["told commit", "told abort"])
+def test_a_member_whose_store_dies_before_it_reads_the_decision_is_undecided_until_told(
+    commit: bool,
+) -> None:
+    # The store's host dies after the vote: this member voted yes, and a commit may have been
+    # recorded and read by others; it keeps both states whole and ends as it is told.
+    host, store = store_in_a_process()
+
+    def kill_the_host() -> None:
+        host.kill()
+        host.wait()
+
+    reconfig = solo(store, 1, hooks=SwitchHooks(before_decision=kill_the_host))
+    reconfig.prepare()
+    state = ShardedState.seeded(TINY, SOLO, 0, 3, CPU)
+    result = reconfig.switch(state)
+    assert result.undecided and not result.committed and reconfig.phase is Phase.UNDECIDED
+    assert result.cause is Cause.VOTE_INCOMPLETE and "store failed" in result.reason
+    assert result.state is None and not state.released and state.matches_seed(3) == []
+    with pytest.raises(PhaseError, match="from undecided"):
+        reconfig.switch(state)
+    told = reconfig.resolve(commit, "no member read a commit")
+    assert told.committed is commit and not told.undecided
+    if commit:
+        assert reconfig.phase is Phase.COMMITTED and state.released
+        assert told.state is not None and told.state.matches_seed(3) == []
+        assert told.world is not None
+    else:
+        assert reconfig.phase is Phase.ABORTED and "aborted as told" in told.reason
+        assert told.state is state and state.matches_seed(3) == []
+    with pytest.raises(PhaseError, match=r"from (committed|aborted)"):
+        reconfig.resolve(commit)
+
+
+def test_a_member_that_voted_no_aborts_alone_when_its_store_dies() -> None:
+    # No commit can have been recorded anywhere: it need not be told.
+    host, store = store_in_a_process()
+
+    def refuse() -> None:
+        raise RuntimeError("not today")
+
+    def kill_the_host() -> None:
+        host.kill()
+        host.wait()
+
+    hooks = SwitchHooks(before_vote=refuse, before_decision=kill_the_host)
+    reconfig = solo(store, 1, hooks=hooks)
+    reconfig.prepare()
+    state = ShardedState.seeded(TINY, SOLO, 0, 3, CPU)
+    result = reconfig.switch(state)
+    assert not result.undecided and not result.committed and result.cause is Cause.VOTE_NO
+    assert result.state is state and state.matches_seed(3) == []
     assert reconfig.phase is Phase.ABORTED
 
 

@@ -42,6 +42,37 @@ def loses_the_vote(loser: str, late: float, member: str) -> SwitchHooks:
     return SwitchHooks(before_decision=lambda: time.sleep(max(-late, 0)))
 
 
+def cannot_read_the_decision(losing: tuple[str, ...], late: float, member: str) -> SwitchHooks:
+    """The members `losing` lose the change's store (its host died, as they see it) when they
+    come to record or read the first switch's decision, `late` seconds after their vote."""
+    if member not in losing:
+        return SwitchHooks()
+
+    def after_vote() -> None:
+        time.sleep(late)
+        lose_the_first_decision(member)
+
+    return SwitchHooks(before_decision=after_vote)
+
+
+def lose_the_first_decision(member: str) -> None:
+    """From now on in this process, the first attempt to record or read a switch's decision
+    fails as a call to a store whose host died fails; the store answers every later call (the
+    next change's store is another)."""
+    from liveshard_agent.engine.sealed import JobStore
+
+    first = JobStore.first
+    lost: list[str] = []
+
+    def gone(self: JobStore, key: str, payload: str) -> str:
+        if key.endswith("/decision") and not lost:
+            lost.append(key)
+            raise RuntimeError(f"Connection reset by peer ({member}'s store, injected)")
+        return first(self, key, payload)
+
+    JobStore.first = gone  # type: ignore[method-assign]
+
+
 def slow_prepare(seconds: float, member: str) -> SwitchHooks:
     """Every member's prepare starts `seconds` late."""
     return SwitchHooks(before_prepare=lambda: time.sleep(seconds))

@@ -30,7 +30,7 @@ from liveshard_agent.local.launcher import Driver, Fault, parse_kill, run_job
 from liveshard_agent.local.output import Line
 from liveshard_agent.runtime.trainer import Scalars
 from liveshard_core.job import Deadlines
-from tests.agent.runtime.faults import loses_the_vote, slow_prepare
+from tests.agent.runtime.faults import cannot_read_the_decision, loses_the_vote, slow_prepare
 from tests.agent.runtime.test_training import STEPS, assert_same_training, job, switches
 
 FROM, TO = "tp=2,dp=2", "pp=2,dp=2"  # every member sends and receives in this switch
@@ -73,6 +73,28 @@ def test_a_vote_that_completes_at_some_members_only_never_splits(late: float) ->
     else:
         assert (switch["result"], switch["cause"]) == ("aborted", "vote_incomplete")
         assert "w1's all-reduce failed" in switch["reason"]
+        assert layouts(events) == ["dp=4,tp=1,pp=1,ep=1,zero=0"]
+    assert_same_training("tiny", events)
+
+
+@pytest.mark.parametrize(
+    "losing", [("w1",), ("w0", "w1", "w2", "w3")], ids=["one read the commit", "none read it"]
+)
+def test_members_that_cannot_read_the_decision_are_told_it_and_never_split(
+    losing: tuple[str, ...],
+) -> None:
+    # The store fails under `losing` after their vote, before they read the decision: they are
+    # undecided, keep both states, and the launcher (which hosts the store) tells them the one
+    # recorded: the others' commit, or, when no member recorded one, an abort.
+    hooks = partial(cannot_read_the_decision, losing, 1.0)
+    events = run_job(job("tiny", "dp=4", f"10:{FROM}", hooks=hooks))
+    (switch,) = switches(events)
+    if len(losing) == 1:
+        assert switch["result"] == "committed"
+        assert layouts(events) == ["dp=4,tp=1,pp=1,ep=1,zero=0", OLD]
+    else:
+        assert (switch["result"], switch["cause"]) == ("aborted", "vote_incomplete")
+        assert "aborted as told" in switch["reason"]
         assert layouts(events) == ["dp=4,tp=1,pp=1,ep=1,zero=0"]
     assert_same_training("tiny", events)
 

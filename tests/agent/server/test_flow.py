@@ -10,6 +10,7 @@ member that received SIGTERM, and a member killed outright, recovered from; rele
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -325,3 +326,41 @@ def test_a_member_trains_on_while_it_connects_to_a_changes_store(tmp_path: Path)
         for status in switched([a0, a1], 1):
             assert status.layout == grow.to and status.last_switch.step > before + 3
         del served
+
+
+@pytest.mark.parametrize("losing", ["a1", "a0,a1"], ids=["a0 read the commit", "none read it"])
+def test_members_that_cannot_read_the_decision_wait_undecided_and_do_as_told(
+    tmp_path: Path, losing: str
+) -> None:
+    """2 agent processes: a grow from a0 to a0 and a1, whose store fails under `losing` after the
+    vote (injected). They show the change UNDECIDED and wait; told as the operator tells them
+    (Switch when a member trains in the epoch, else Abort), they end where the others did."""
+    inject = Path(__file__).parent / "inject"
+    path = os.pathsep.join([str(inject), str(Path(__file__).parents[3]),
+                            os.environ.get("PYTHONPATH", "")])  # fmt: skip
+    with agents(["a0", "a1"], tmp_path, PYTHONPATH=path, TEST_LOSE_THE_DECISION=losing) as started:
+        a0, a1 = started["a0"], started["a1"]
+        alone = layout(["a0"])
+        a0.call("Prepare", pb.PrepareRequest(epoch=0, store=host_store(a0, 0), to=alone))
+        trains(a0, 1)
+        grow = change(1, host_store(a0, 1), alone, layout(["a0", "a1"], dp=2))
+        prepare([a0, a1], grow)
+        undecided = [a for a in (a0, a1) if a.member in losing.split(",")]
+        for agent in undecided:
+            status = agent.wait_for(
+                "epoch 1 undecided", lambda s: s.pending.state == pb.Pending.UNDECIDED
+            )
+            assert status.pending.epoch == 1 and "undecided" in status.message
+        if a0 not in undecided:
+            a0.wait_for("training in epoch 1", lambda s: s.epoch == 1)
+            a1.call("Switch", pb.SwitchRequest(epoch=1))
+            for status in switched([a0, a1], 1):
+                assert status.layout == grow.to
+            assert trains(a1, a0.status().step).layout == grow.to
+        else:
+            for agent in undecided:
+                agent.call("Abort", pb.AbortRequest(epoch=1))
+            for status in switched([a0, a1], 1, pb.SwitchSummary.ABORTED):
+                assert "aborted as told" in status.last_switch.reason
+            assert trains(a0, a0.status().step).epoch == 0
+            assert a1.status().phase == Phase.STANDBY
