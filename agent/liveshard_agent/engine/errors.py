@@ -65,7 +65,8 @@ class ForgedValue(RetryableError):
 
 
 class DecisionUnknown(RetryableError):
-    """The store that holds a switch's decision failed before this member could record or read
-    it (its host died): whether the epoch committed is known only to the members that read it."""
+    """A switch's decision could not be recorded or read here: the store that holds it failed
+    (its host died), or the value there does not carry the job's seal. Whether the epoch
+    committed is known only to the members that read it."""
 
     cause = Cause.VOTE_INCOMPLETE

@@ -140,10 +140,11 @@ def decide(
 
 def settle(store: JobStore, epoch: int, proposal: Failure | None) -> Failure | None:
     """Record `proposal` (None: commit) as `epoch`'s decision, sealed, unless one was recorded
-    first, and return the recorded one: the decision every member acts on. A member that finds a
-    decision without the job's seal recorded first (`ForgedValue`) aborts: it is never acted on,
-    and every member reads the same one. Raises `DecisionUnknown` when the store cannot be
-    reached: the caller alone knows whether its view can stand without it (`stands_alone`)."""
+    first, and return the recorded one: the decision every member acts on. Raises
+    `DecisionUnknown` when the store cannot be reached, or when the value there does not carry
+    the job's seal (`ForgedValue`: never acted on, and a forger may have overwritten a decision
+    some members read already): the caller alone knows whether its view can stand without it
+    (`stands_alone`)."""
     mine = {"commit": True} if proposal is None else {
         "cause": proposal.cause.value, "reason": proposal.reason
     }  # fmt: skip
@@ -151,9 +152,7 @@ def settle(store: JobStore, epoch: int, proposal: Failure | None) -> Failure | N
     try:
         recorded = json.loads(store.first(key, json.dumps(mine)))
     except ForgedValue as err:
-        return proposal or Failure(
-            Cause.VOTE_INCOMPLETE, f"epoch {epoch}: the decision could not be recorded: {err}"
-        )
+        raise DecisionUnknown(f"epoch {epoch}: the decision cannot be read: {err}") from err
     except RuntimeError as err:  # torch's: the store's host is gone
         raise DecisionUnknown(
             f"epoch {epoch}: the store failed before the decision could be recorded or read: "

@@ -64,6 +64,7 @@ from liveshard_core.policy.model import state_bytes_per_layer
 from liveshard_core.policy.rebalance import GROW, PACK, REBALANCE, CostWindow, propose
 
 from ..data.builtin import PRESET
+from ..engine.errors import DecisionUnknown
 from ..engine.sealed import JobStore
 from ..engine.vote import Failure, settle
 from ..engine.world import StoreAddress
@@ -148,6 +149,8 @@ class Driver:
         self.saved: Checkpointed | None = None  # the last checkpoint saved in this run
         self.heard: Switched | None = None  # the pending change's commit, as a silent member saw it
         self.unheard: tuple[int, Line] | None = None  # a change adopted without its line yet
+        self.accounts: dict[int, dict[str, bool]] = {}  # epoch: member: it committed (Decided)
+        self.undecided: dict[str, tuple[int, str]] = {}  # member: its epoch, why it cannot read
 
     def _spawn(self, name: str) -> None:
         parent, child = self.ctx.Pipe()
@@ -273,11 +276,15 @@ class Driver:
             case Finished():
                 done.add(name)
             case Switched():
+                self.accounts.setdefault(message.epoch, {})[name] = message.committed
+                self._tell_undecided()
                 self._settled(message)
             case Undecided(epoch=epoch, reason=why):
-                self._tell(name, epoch, why)
-            case Decided():
-                pass  # its Switched follows
+                self.undecided[name] = (epoch, why)
+                self._tell_undecided()
+            case Decided(epoch=epoch, committed=committed):
+                self.accounts.setdefault(epoch, {})[name] = committed
+                self._tell_undecided()
             case _:
                 raise RuntimeError(f"member {name} sent {message!r}, which is no event")
 
@@ -297,7 +304,7 @@ class Driver:
             and process.name in union_members(change.old, change.new)
         ):
             why = Failure(Cause.PEER_FAILED, f"epoch {change.epoch}: {process.name} died")
-            if settle(self.sealed, change.epoch, why) is not None:
+            if not self._decision(change.epoch, why):
                 if process.name not in self.layout.members:
                     self._bury([process])  # a joining member: the switch aborts without it
                     return
@@ -435,16 +442,38 @@ class Driver:
         self._spawn(name)
         return name
 
-    def _tell(self, name: str, epoch: int, why: str) -> None:
-        """A member could not read `epoch`'s decision (its store failed: `why`): the launcher,
-        which hosts the store, reads it for it, recording an abort unless a commit came first,
-        and tells the member (`SwitchAt` commits an undecided switch, `Drop` aborts it)."""
-        told = Failure(Cause.VOTE_INCOMPLETE, f"epoch {epoch}: {name} could not read it: {why}")
-        process = self.processes[name]
-        if settle(self.sealed, epoch, told) is None:
-            process.conn.send(SwitchAt(epoch, 0))
-        else:
-            process.conn.send(Drop(epoch))
+    def _decision(self, epoch: int, proposal: Failure) -> bool | None:
+        """Whether `epoch` committed, as the launcher reads its decision in the store it hosts,
+        recording `proposal` (an abort) unless a decision was recorded first. Where the value
+        there is refused (it lacks the job's seal: a forger may have overwritten what some
+        members read), from the members' accounts: committed when one acts on a commit, aborted
+        once every member of the change is undecided, gave it up or is dead; None until then."""
+        try:
+            return settle(self.sealed, epoch, proposal) is None
+        except DecisionUnknown:
+            accounts = self.accounts.get(epoch, {})
+            if any(accounts.values()):
+                return True
+            change = self.pending
+            if change is None or change.epoch != epoch:
+                return False  # given up, superseded
+            settled = set(accounts) | set(self.undecided)
+            alive = {n for n, p in self.processes.items() if p.proc.is_alive()}
+            union = union_members(change.old, change.new)
+            return False if all(m in settled or m not in alive for m in union) else None
+
+    def _tell_undecided(self) -> None:
+        """Tell each member that could not read its switch's decision what it was, once known
+        (`SwitchAt` commits an undecided switch, `Drop` aborts it)."""
+        for name, (epoch, why) in list(self.undecided.items()):
+            told = Failure(Cause.VOTE_INCOMPLETE, f"epoch {epoch}: {name} could not read it")
+            commit = self._decision(epoch, told)
+            if commit is None:
+                continue
+            del self.undecided[name]
+            process = self.processes.get(name)
+            if process is not None:
+                process.conn.send(SwitchAt(epoch, 0) if commit else Drop(epoch, why))
 
     def _settled(self, event: Switched) -> None:
         """A member's account of a switch: the job goes on from the reported one of the pending

@@ -66,6 +66,7 @@ class SwitchAt:
 @dataclass(frozen=True)
 class Drop:
     epoch: int
+    reason: str = "dropped on request"
 
 
 @dataclass(frozen=True)
@@ -224,7 +225,7 @@ def _obey(member: Member, command: Command, stores: _Stores, report: Report) -> 
         elif isinstance(command, SwitchAt):
             member.set_switch_step(command.epoch, command.at_step)
         elif isinstance(command, Drop):
-            report(member.drop(command.epoch))
+            report(member.drop(command.epoch, command.reason))
         elif isinstance(command, CheckpointAt):
             saved = member.request_checkpoint(
                 command.number, command.path, command.at_step, command.export_to

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch", reason="the transfer engine needs torch (th
 from torch.distributed import TCPStore  # noqa: E402
 
 from liveshard_agent.engine import keys  # noqa: E402
-from liveshard_agent.engine.errors import Cause, ForgedValue  # noqa: E402
+from liveshard_agent.engine.errors import Cause, DecisionUnknown, ForgedValue  # noqa: E402
 from liveshard_agent.engine.sealed import JobStore, Seal  # noqa: E402
 from liveshard_agent.engine.state import ShardedState  # noqa: E402
 from liveshard_agent.engine.switch import Reconfiguration, SwitchHooks  # noqa: E402
@@ -92,17 +92,15 @@ def test_the_first_sealed_decision_stands_and_one_without_the_seal_is_never_acte
     store = JobStore(tcp_store(), SEAL)
     assert settle(store, 3, None) is None  # a commit, recorded
     assert settle(store, 3, Failure(Cause.VOTE_NO, "late")) is None  # the commit stands
-    # A decision without the seal recorded first: an abort, whatever it says.
+    # A decision without the seal recorded first, saying commit.
     key = keys.decision(4, SEAL.tag(4))
     store.store.set(key, json.dumps({"commit": True}))
+    # It is never acted on: read as no decision at all, naming the key, whatever was proposed
+    # (a forger may have overwritten a decision that some members read already).
     for proposal in (None, Failure(Cause.VOTE_NO, "mine")):
-        failure = settle(store, 4, proposal)
-        assert failure is not None
-        if proposal is None:
-            assert failure.cause is Cause.VOTE_INCOMPLETE
-            assert key in failure.reason and "is not sealed" in failure.reason
-        else:
-            assert failure == proposal
+        with pytest.raises(DecisionUnknown, match="is not sealed") as unknown:
+            settle(store, 4, proposal)
+        assert key in str(unknown.value)
 
 
 def solo(store: TCPStore, epoch: int, hooks: SwitchHooks | None = None) -> Reconfiguration:
@@ -133,11 +131,17 @@ def test_a_switch_acts_on_no_decision_without_the_seal() -> None:
     assert switch(store, 1) == (True, "epoch 1: committed")
 
     # At the true key, first, sealed by another credential: an abort, refused, is not the
-    # decision (its reason is not taken); a commit, refused, does not overrule a no.
+    # decision (its reason is not taken): a member that voted yes is undecided, both states
+    # whole, until told; a commit, refused, does not overrule a no.
     key = keys.decision(2, SEAL.tag(2))
     store.set(key, Seal.of("another token", "job").seal(key, json.dumps(forged)))
-    committed, reason = switch(store, 2)
-    assert not committed and key in reason and "forged" not in reason
+    reconfig = solo(store, 2)
+    reconfig.prepare()
+    state = ShardedState.seeded(TINY, SOLO, 0, 3, CPU)
+    result = reconfig.switch(state)
+    assert result.undecided and key in result.reason and "forged" not in result.reason
+    told = reconfig.resolve(False, "no member read a commit")
+    assert not told.committed and told.state is state and state.matches_seed(3) == []
 
     key = keys.decision(3, SEAL.tag(3))
     store.set(key, Seal.of("another token", "job").seal(key, json.dumps({"commit": True})))
