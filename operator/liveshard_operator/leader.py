@@ -114,7 +114,10 @@ class Elector:
 
     def _try(self) -> None:
         now = self.clock()
-        timeout = self.election.retry_period
+        # As long as the renew deadline: an API server slow to answer on a loaded node is not a
+        # failed attempt. Times are taken before the request, so a late answer never extends a
+        # lease.
+        timeout = self.election.renew_deadline
         try:
             lease = self.api.request("GET", self.path, timeout=timeout)
         except ApiError as err:
