@@ -243,6 +243,35 @@ def test_scale_down_and_up_live(operator: Kube, tmp_path: Path) -> None:
     assert summary["steps"] >= 3 and png.stat().st_size > 10_000
 
 
+def test_members_that_cannot_read_a_decision_are_told_it_and_the_job_never_splits(
+    operator: Kube,
+) -> None:
+    # Every worker loses the change's store just before it reads the first switch's decision
+    # (injected at the agent's start): all are undecided, none read a commit, so the operator
+    # tells them to abort, and the retry grows the job.
+    kube = operator
+    body = job(2)
+    inject = ROOT / "tests" / "agent" / "server" / "inject"
+    (container,) = body["spec"]["template"]["spec"]["containers"]
+    container["env"] = [
+        {"name": "PYTHONPATH", "value": f"{inject}{os.pathsep}{ROOT}"},
+        {"name": "TEST_LOSE_THE_DECISION", "value": "*"},
+    ]
+    kube.apply(body)
+    steps = Steps(kube)
+    first = steps.wait(training(2), "training with 2", STARTUP)
+    kube.kubectl("scale", f"etj/{JOB}", "--replicas=3")
+    grown = steps.wait(training(3, first["epoch"] + 2), "grown to 3 on a retry", STARTUP)
+    told, committed = grown["history"][-2:]
+    assert (told["result"], told["epoch"]) == ("aborted", first["epoch"] + 1), told
+    assert "no member read the decision" in told["message"], told
+    assert committed["result"] == "committed" and committed["to"].startswith("dp=3"), committed
+    assert not any(c["type"] == "Failed" and c["status"] == "True" for c in grown["conditions"])
+    reasons = event_reasons(kube)
+    assert "ReconfigurationAborted" in reasons and "SplitReconfiguration" not in reasons
+    steps.wait(lambda s: s.get("step", 0) > grown["step"], "training on in the new layout")
+
+
 def test_drain_moves_a_worker_out_before_it_is_killed(operator: Kube) -> None:
     kube = operator
     body = job(3)
