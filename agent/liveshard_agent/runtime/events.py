@@ -2,10 +2,10 @@
 
 `Stepped` after every step the member trains, `Switched` for each change it settled (committed or
 aborted, its own account) after `Decided` (the decision it acts on, said before the switch's last
-collectives), `Undecided` for a switch whose decision it could not read,
-`Checkpointed` for each checkpoint saved, `CheckpointFailed` for each one that could not be (the
-member trains on), `Broke` when its world broke, `Finished` once when the job has trained its
-last step, and `Refused` for a command it would not obey. The consumers
+collectives), `Undecided` for a switch whose decision it could not read, `Checkpointed` for each
+checkpoint saved, `CheckpointFailed` for each one that could not be (the member trains on),
+`Broke` when its world broke, `Finished` once when the job has trained its last step, and
+`Refused` for a command it would not obey. The consumers
 (the agent's server, the local launcher) branch on these types and turn them into their own
 output at their own boundary; this module holds values only, it must not know how anyone prints
 them. They pickle: the local launcher sends them between processes.

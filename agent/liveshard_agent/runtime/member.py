@@ -10,8 +10,11 @@ this boundary, all at the same step. A change may be held (no switch step yet) a
 training scalars (`announcement`), so joining members switch with them, and every member checks
 its own scalars against the announced ones before it votes. On commit, members of the new layout
 train on from the same step in the new world; members that left stand by. On abort (or when any
-member failed to prepare), everyone keeps the old world and the reason is reported. Checkpoints
-are agreed the same way, since saving one is a collective.
+member failed to prepare), everyone keeps the old world and the reason is reported. A member
+that switched but could not read the decision (its store failed) is undecided: it keeps both
+states until told (`decided`), and says how a switch ended (`on_decided`) before the collectives
+that close it, so that whoever tells an undecided peer can see it. Checkpoints are agreed the
+same way as switches, since saving one is a collective.
 
 A world breaks when one of its collectives fails: the member closes its groups, so that members
 still waiting on it fail at once too, keeps its state, drops a pending change that needed the old

@@ -9,6 +9,7 @@ function of this module, or a `functools.partial` of one.
 from __future__ import annotations
 
 import errno
+import os
 import resource
 import signal
 import time
@@ -95,6 +96,17 @@ def cannot_write_once(failing: str, member: str) -> SwitchHooks:
             return write(self, *args, **kwargs)
 
         FileSystemWriter.write_data = full  # type: ignore[method-assign]
+    return SwitchHooks()
+
+
+def without_root(member: str) -> SwitchHooks:
+    """Every member's process gives up root, if it has it, for the nobody user: file permissions
+    then bind it as they bind any user (root writes into a read-only directory)."""
+    if os.geteuid() == 0:
+        nobody = 65534
+        os.setgroups([])
+        os.setresgid(nobody, nobody, nobody)
+        os.setresuid(nobody, nobody, nobody)
     return SwitchHooks()
 
 

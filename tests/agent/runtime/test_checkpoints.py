@@ -9,7 +9,8 @@ a later checkpoint saves and restores as usual.
 
 from __future__ import annotations
 
-import os
+import shutil
+import tempfile
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import pytest
 pytest.importorskip("torch", reason="the runtime needs torch (the agent extra)")
 
 from liveshard_agent.local.launcher import run_job
-from tests.agent.runtime.faults import cannot_grow_files, cannot_write_once
+from tests.agent.runtime.faults import cannot_grow_files, cannot_write_once, without_root
 from tests.agent.runtime.test_training import RTOL, STEPS, assert_same_training, job, losses
 
 
@@ -42,16 +43,23 @@ def test_checkpoints_to_a_regular_file_fail_and_training_goes_on(tmp_path: Path)
     assert_same_training("tiny", events)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only directory")
-def test_checkpoints_to_a_read_only_directory_fail_and_training_goes_on(tmp_path: Path) -> None:
-    locked = tmp_path / "locked"
-    locked.mkdir(mode=0o555)
-    events = run_job(job("tiny", "dp=2", checkpoint_dir=str(locked), checkpoint_every=10))
-    saves = checkpoints(events)
-    assert [c["result"] for c in saves] == ["failed"] * 3
-    assert all("Permission denied" in c["reason"] for c in saves)
-    assert list(locked.iterdir()) == []
-    assert_same_training("tiny", events)
+def test_checkpoints_to_a_read_only_directory_fail_and_training_goes_on() -> None:
+    # The members run as nobody where the test runs as root: every folder above the locked one
+    # lets anyone through (pytest's own tmp_path does not), so only its mode refuses the write.
+    base = Path(tempfile.mkdtemp(prefix="liveshard-read-only-"))
+    try:
+        base.chmod(0o755)
+        locked = base / "locked"
+        locked.mkdir(mode=0o555)
+        events = run_job(job("tiny", "dp=2", checkpoint_dir=str(locked), checkpoint_every=10,
+                             hooks=without_root))  # fmt: skip
+        saves = checkpoints(events)
+        assert [c["result"] for c in saves] == ["failed"] * 3
+        assert all("Permission denied" in c["reason"] for c in saves)
+        assert list(locked.iterdir()) == []
+        assert_same_training("tiny", events)
+    finally:
+        shutil.rmtree(base)
 
 
 def test_checkpoints_no_byte_of_which_can_be_written_fail_and_training_goes_on(
