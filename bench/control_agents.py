@@ -66,6 +66,7 @@ class _Pending:
     future: Future[None]
     requested: float
     said_ready: bool = False
+    undecided: None = None  # a simulated member always reads its switch's decision
 
 
 class SimMember(Member):
