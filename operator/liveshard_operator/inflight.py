@@ -35,22 +35,21 @@ def backoff(attempts: int) -> float:
     return min(5.0 * 2.0 ** max(attempts - 1, 0), _MAX_BACKOFF)
 
 
+def _pending_in(agent: pb.AgentStatus, epoch: int, *states: int) -> bool:
+    """Whether the agent has `epoch` pending in one of `states`."""
+    pending = agent.pending
+    return agent.HasField("pending") and pending.epoch == epoch and pending.state in states
+
+
 def _gave_up(agent: pb.AgentStatus, epoch: int) -> bool:
     """Whether the agent aborted `epoch`'s switch or failed to prepare it."""
-    switch, pending = agent.last_switch, agent.pending
+    switch = agent.last_switch
     aborted = (
         agent.HasField("last_switch")
         and switch.epoch == epoch
         and result_of(switch) is Result.ABORTED
     )
-    failed = agent.HasField("pending") and pending.epoch == epoch
-    return aborted or (failed and pending.state == pb.Pending.FAILED)
-
-
-def _pending_in(agent: pb.AgentStatus, epoch: int, *states: int) -> bool:
-    """Whether the agent has `epoch` pending in one of `states`."""
-    pending = agent.pending
-    return agent.HasField("pending") and pending.epoch == epoch and pending.state in states
+    return aborted or _pending_in(agent, epoch, pb.Pending.FAILED)
 
 
 def progress(draft: Draft, plan: InFlight) -> None:

@@ -465,9 +465,7 @@ class Reconfiguration:
         state and the shadow, both whole, until `resolve` says which the epoch's decision was."""
         self._phase = Phase.UNDECIDED
         self._resolve = finish
-        if self.union is not None:
-            spent, self.union = [self.union], None
-            close_in_background(spent)
+        self._close_union(abort=False)
         self.log.warning("undecided: %s; waiting to be told the decision", why)
         record = switch_record(
             job=self.job, epoch=self.epoch, member=self.member, old=self.old, new=self.new,
@@ -478,6 +476,16 @@ class Reconfiguration:
             False, Cause.VOTE_INCOMPLETE, why, None, None, stats, memory, record, seconds,
             undecided=True,
         )  # fmt: skip
+
+    def _close_union(self, abort: bool) -> None:
+        """The union group is done after the vote: it closes in the background, off the pause
+        (aborted first when `abort`)."""
+        union, self.union = self.union, None
+        if union is None:
+            return
+        if abort:
+            union.abort()
+        close_in_background([union])
 
     def resolve(self, commit: bool, why: str = "") -> SwitchResult:
         """Act on the decision an undecided member is told (`commit`, or abort for `why`): the
@@ -506,14 +514,9 @@ class Reconfiguration:
     ) -> SwitchResult:
         """Commit (`outcome` None) or abort, as decided."""
         seconds["vote"] = time.perf_counter() - vote_began
-        if self.union is not None:
-            if outcome is not None and not broken:
-                # Operations a failure left pending would each hold the group's teardown for a
-                # whole timeout; aborting ends them (and tells peers still waiting) at once.
-                self.union.abort()
-            # The union group is done either way; it closes in the background, off the pause.
-            spent, self.union = [self.union], None
-            close_in_background(spent)
+        # Operations a failure left pending would each hold the group's teardown for a whole
+        # timeout; aborting ends them (and tells peers still waiting) at once.
+        self._close_union(abort=outcome is not None and not broken)
         if outcome is None:
             self._phase = Phase.COMMITTED
             if old_state is not None:
