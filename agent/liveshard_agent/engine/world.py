@@ -155,12 +155,15 @@ def close_in_background(groups: list[Group]) -> None:
     caller holds no reference and the thread drops the last one.
 
     Closing a group waits for its connections and worker threads to end: tens of milliseconds on
-    a busy host, which must not lengthen a switch's pause. torch releases the GIL while it does,
-    so the caller's training goes on meanwhile."""
+    a busy host, up to a second for NCCL's, which must not lengthen a switch's pause. The thread
+    shuts each group down first, which torch does without the GIL, so the caller's training goes
+    on meanwhile; a group merely dropped is torn down in its destructor, under the GIL."""
     taken = list(groups)
     groups.clear()
 
     def close() -> None:
+        for group in taken:
+            group.shutdown()
         taken.clear()
         with _closing_lock:
             _closing.discard(threading.current_thread())

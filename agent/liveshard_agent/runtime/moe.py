@@ -51,15 +51,21 @@ def moe_forward(
     received_experts, _ = comm.all_to_all(experts.unsqueeze(1), ep, send)
     received_experts = received_experts.squeeze(1)
 
-    # Zeros that stay in the graph: a rank none of whose experts got a token still takes part
-    # in the backward's all-to-alls, as its peers do (from a plain zeros tensor, no gradient
-    # would reach them and its peers would wait in a collective it never posts).
-    out = received * 0
-    shared = comm.copy_to(received, model.tp)
-    for expert in sorted(set(received_experts.tolist())):
-        mask = received_experts == expert
-        y = model.swiglu(f"{prefix}experts.{expert}.", shared[mask])
-        out = out.index_put((mask.nonzero().squeeze(1),), y)
+    # The received rows, grouped by expert (stably: each expert's rows keep their order), run
+    # through their experts one contiguous slice each: one host sync for the slices' sizes,
+    # whatever the number of experts. A rank that received no row still returns a tensor in the
+    # graph (zero rows of `received`): it takes part in the backward's all-to-alls, as its peers
+    # do (from a plain empty tensor, no gradient would reach it and its peers would wait in a
+    # collective it never posts).
+    grouped = torch.argsort(received_experts, stable=True)
+    sizes = torch.bincount(received_experts, minlength=cfg.experts).tolist()
+    shared = comm.copy_to(received, model.tp)[grouped]
+    outputs = [
+        model.swiglu(f"{prefix}experts.{expert}.", rows_of_expert)
+        for expert, rows_of_expert in enumerate(torch.split(shared, sizes))
+        if len(rows_of_expert)
+    ]
+    out = torch.cat(outputs)[torch.argsort(grouped)] if outputs else received * 0
     returned, _ = comm.all_to_all(out, ep, receive)
 
     combined = torch.zeros_like(tokens)
