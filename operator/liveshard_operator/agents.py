@@ -128,5 +128,5 @@ class AgentClient:
     def release(self, saved: int = 0) -> None:
         self._call("Release", pb.ReleaseRequest(saved=saved))
 
-    def rotate_certificate(self, cert: bytes, key: bytes) -> None:
-        self._call("RotateCertificate", pb.RotateCertificateRequest(cert=cert, key=key))
+    def rotate_certificate(self, cert: bytes, key: bytes, ca: bytes = b"") -> None:
+        self._call("RotateCertificate", pb.RotateCertificateRequest(cert=cert, key=key, ca=ca))

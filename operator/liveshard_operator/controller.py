@@ -98,7 +98,7 @@ class JobController:
             self.kube, self.namespace, self.name, token, spec.port, self.clients,
             self.executor.client_tls,
         )  # fmt: skip
-        self.executor.rotate_certificates(seen)
+        self.executor.rotate_certificates(body, seen)
         record = Record.from_status(status)
         # The time is read once, after observing, so that every rule of the pass sees the same.
         decision = decide(seen, record, Job(body, spec, model), time.time())

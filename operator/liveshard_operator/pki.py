@@ -4,8 +4,10 @@ and the client certificate the operator presents to them (the agent API's mutual
 Everything is EC P-256 and held as PEM bytes. The CA is valid for ten years, the other
 certificates for one; the operator renews those from the same CA once less than `RENEW_BEFORE`
 of their validity is left (`renewal_due`), and tells each agent its new one (agents report the
-`fingerprint` they serve). Workers get the CA
-certificate and the serving pair only; the CA key and the operator's pair never leave the
+`fingerprint` they serve). It rotates the CA itself in its last year (`CA_RENEW_BEFORE`) or when
+asked: a bundle of CA certificates (`certificates`, the current CA first) is trusted meanwhile,
+and `issued_by` tells which CA signed a certificate. Workers get the CA certificates and the
+serving pair only; the CA key and the operator's pair never leave the
 operator's Secret, so worker code cannot make a certificate an agent accepts. The serving
 certificate names one fixed DNS name (`server_name`), since pod IPs are unknown at issuance:
 the operator's client checks that name instead of the address it dials.
@@ -16,9 +18,11 @@ This module issues and parses; it talks to neither the API server nor an agent.
 from __future__ import annotations
 
 import datetime as dt
+import secrets
 from dataclasses import dataclass, field
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -26,6 +30,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 VALIDITY = dt.timedelta(days=365)
 CA_VALIDITY = dt.timedelta(days=3650)
 RENEW_BEFORE = dt.timedelta(days=30)
+# A CA is rotated while a certificate it signs can still end before it does.
+CA_RENEW_BEFORE = VALIDITY + RENEW_BEFORE
 OPERATOR_NAME = "liveshard-operator"  # the CN of the operator's client certificate
 # Fixed CNs: a CN holds at most 64 characters, a job's and namespace's names may hold more. The
 # serving certificate's identity is its DNS name; a CA is known by its key, not its name.
@@ -87,7 +93,11 @@ class Authority:
 def new_authority() -> Authority:
     """A fresh self-signed CA (one per job)."""
     key = ec.generate_private_key(ec.SECP256R1())
-    name = _name(CA_NAME)
+    # A serial number in the name: a rotation's trust bundle holds two CAs, told apart by it.
+    name = x509.Name([
+        x509.NameAttribute(NameOID.COMMON_NAME, CA_NAME),
+        x509.NameAttribute(NameOID.SERIAL_NUMBER, secrets.token_hex(8)),
+    ])  # fmt: skip
     cert = (
         _builder(name, name, key.public_key(), CA_VALIDITY)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
@@ -111,13 +121,31 @@ def operator_pair(ca: Authority, validity: dt.timedelta = VALIDITY) -> Pair:
     return ca.issue(OPERATOR_NAME, ExtendedKeyUsageOID.CLIENT_AUTH, validity=validity)
 
 
-def renewal_due(cert: bytes, now: dt.datetime | None = None) -> bool:
-    """Whether `cert` (PEM) has less than `RENEW_BEFORE` left, or a tenth of its whole validity
-    when that is shorter (a short-lived certificate is not renewed at once)."""
+def renewal_due(
+    cert: bytes, now: dt.datetime | None = None, before: dt.timedelta = RENEW_BEFORE
+) -> bool:
+    """Whether `cert` (PEM) has less than `before` left, or a tenth of its whole validity when
+    that is shorter (a short-lived certificate is not renewed at once)."""
     parsed = x509.load_pem_x509_certificate(cert)
     end, start = parsed.not_valid_after_utc, parsed.not_valid_before_utc
     left = end - (now or dt.datetime.now(dt.UTC))
-    return left < min(RENEW_BEFORE, (end - start) / 10)
+    return left < min(before, (end - start) / 10)
+
+
+def certificates(bundle: bytes) -> list[bytes]:
+    """The certificates of a PEM bundle, each as PEM, in order."""
+    return [_pem(c) for c in x509.load_pem_x509_certificates(bundle)]
+
+
+def issued_by(cert: bytes, ca_cert: bytes) -> bool:
+    """Whether the CA `ca_cert` signed `cert` (both PEM)."""
+    try:
+        x509.load_pem_x509_certificate(cert).verify_directly_issued_by(
+            x509.load_pem_x509_certificate(ca_cert)
+        )
+    except (ValueError, TypeError, InvalidSignature):
+        return False
+    return True
 
 
 def fingerprint(cert: bytes) -> str:

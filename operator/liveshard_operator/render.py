@@ -31,6 +31,9 @@ MEMBER, STANDBY = "member", "standby"
 TOKEN_KEY = "token"
 # The keys of the TLS Secrets, as kubernetes.io/tls and cert-manager name them.
 CA_CERT, CA_KEY, TLS_CERT, TLS_KEY = "ca.crt", "ca.key", "tls.crt", "tls.key"
+# A job annotated with a new value here has its CA rotated; the operator's Secret records the
+# value handled last.
+ROTATE_CA, ROTATED_FOR = f"{GROUP}/rotate-ca", f"{GROUP}/ca-rotated-for"
 # The agent's TLS variables, each from a key of the agent TLS Secret.
 TLS_ENV = {
     "LIVESHARD_TLS_CERT": TLS_CERT,
@@ -85,6 +88,11 @@ def operator_tls_secret(
 
 def _text(data: dict[str, bytes]) -> dict[str, str]:
     return {key: value.decode() for key, value in data.items()}
+
+
+def annotation(obj: dict[str, Any], key: str) -> str:
+    """The value of annotation `key` of `obj` ("" when it has none)."""
+    return str(((obj.get("metadata") or {}).get("annotations") or {}).get(key, ""))
 
 
 def _secret(job: dict[str, Any], name: str, data: dict[str, str]) -> dict[str, Any]:

@@ -128,13 +128,18 @@ def members(kube: Kube) -> dict[str, dict[str, Any]]:
 
 
 def agent_status(
-    kube: Kube, pod: dict[str, Any], token: str | None, *, tls: bool = True
+    kube: Kube,
+    pod: dict[str, Any],
+    token: str | None,
+    *,
+    tls: bool = True,
+    operator: dict[str, bytes] | None = None,
 ) -> pb.AgentStatus:
     """GetStatus of a worker's agent, presenting the operator's client certificate (`tls`) as
-    the operator does, or in plaintext."""
+    the operator does (from its Secret, or `operator`: its data as it was), or in plaintext."""
     address = f"{pod['status']['podIP']}:7070"
     if tls:
-        operator = secret_data(kube, f"{JOB}-operator-tls")
+        operator = operator or secret_data(kube, f"{JOB}-operator-tls")
         credentials = grpc.ssl_channel_credentials(
             root_certificates=operator["ca.crt"], private_key=operator["tls.key"],
             certificate_chain=operator["tls.crt"],
@@ -692,3 +697,31 @@ def test_an_agent_call_without_the_token_is_refused_and_its_certificate_renewed_
     assert wait_until(renewed, 60, "the renewed certificate served", describe=state) != served
     assert "CertificateRenewed" in event_reasons(kube)
     assert agent_status(kube, pod, token(kube)).phase == pb.AgentStatus.TRAINING
+
+    # The job's CA rotated on demand: the new CA is trusted beside the old until the agent
+    # serves a certificate of it, then alone; the agent trains on throughout, and the operator's
+    # certificate of the old CA is refused after.
+    before = secret_data(kube, f"{JOB}-operator-tls")
+    kube.kubectl("annotate", "etj", JOB, "liveshard.io/rotate-ca=1")
+
+    def rotated() -> bytes | None:
+        (ca, *others) = pki.certificates(secret_data(kube, f"{JOB}-operator-tls")["ca.crt"])
+        agent = secret_data(kube, f"{JOB}-agent-tls")
+        if others or ca == before["ca.crt"] or agent["ca.crt"] != ca:
+            return None
+        now = agent_status(kube, pod, token(kube)).serving_certificate
+        return ca if now == pki.fingerprint(agent["tls.crt"]) else None
+
+    def rotation() -> str:
+        data = secret_data(kube, f"{JOB}-operator-tls")
+        return f"{len(pki.certificates(data['ca.crt']))} CAs trusted; events {event_reasons(kube)}"
+
+    ca = wait_until(rotated, 90, "the CA rotated", describe=rotation)
+    assert pki.issued_by(secret_data(kube, f"{JOB}-operator-tls")["tls.crt"], ca)
+    assert {"CARotationStarted", "CARotated"} <= set(event_reasons(kube))
+    with pytest.raises(grpc.RpcError) as err:
+        agent_status(kube, pod, token(kube), operator={**before, "ca.crt": ca})
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    trained = agent_status(kube, pod, token(kube))
+    assert trained.phase == pb.AgentStatus.TRAINING
+    Steps(kube).wait(lambda s: s.get("step", 0) > trained.step, "training on")

@@ -8,9 +8,7 @@ import base64
 import datetime as dt
 from typing import Any
 
-import pytest
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from liveshard_operator import pki, render
 from liveshard_operator.act import Executor
@@ -47,8 +45,7 @@ def test_the_certificates_chain_to_the_jobs_ca_each_for_one_use() -> None:
     subject = cert(client.cert).subject.get_attributes_for_oid(NameOID.COMMON_NAME)
     assert subject[0].value == "liveshard-operator"
     # Another CA, even one of a job of the same name, signed none of them.
-    with pytest.raises(InvalidSignature):
-        cert(client.cert).verify_directly_issued_by(cert(pki.new_authority().cert))
+    assert not pki.issued_by(client.cert, pki.new_authority().cert)
 
 
 def test_names_as_long_as_kubernetes_allows_fit_the_certificates() -> None:
@@ -164,3 +161,16 @@ def test_renewal_is_due_in_the_last_month_or_the_last_tenth_of_a_short_validity(
     assert pki.renewal_due(hour, now + dt.timedelta(minutes=58))
     # The CA outlives ten renewals of the certificates it signs.
     assert not pki.renewal_due(ca.cert, now + dt.timedelta(days=9 * 365))
+    # It is rotated while what it signs can still end first: in its last year.
+    assert not pki.renewal_due(ca.cert, now + dt.timedelta(days=9 * 365 - 5), pki.CA_RENEW_BEFORE)
+    assert pki.renewal_due(ca.cert, now + dt.timedelta(days=9 * 365 + 5), pki.CA_RENEW_BEFORE)
+
+
+def test_a_rotations_bundle_holds_two_cas_each_known_by_what_it_signed() -> None:
+    old, new = pki.new_authority(), pki.new_authority()
+    assert pki.certificates(new.cert + old.cert) == [new.cert, old.cert]
+    names = {x509.load_pem_x509_certificate(c.cert).subject for c in (old, new)}
+    assert len(names) == 2  # told apart by name as well as by key
+    of_new = pki.serving_pair(new, "tiny", "ns").cert
+    assert pki.issued_by(of_new, new.cert) and not pki.issued_by(of_new, old.cert)
+    assert not pki.issued_by(of_new, of_new)

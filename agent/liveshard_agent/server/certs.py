@@ -1,12 +1,13 @@
-"""The agent API's serving certificate, replaceable while the server runs (the operator renews it
-from the job's CA before it expires and sends it with RotateCertificate).
+"""The agent API's serving certificate and the CAs its clients' certificates must chain to, both
+replaceable while the server runs: the operator renews the certificate from the job's CA before
+it expires, and rotates the CA itself (the new and the old trusted together until every agent
+serves a certificate of the new, then the new alone), and sends each with RotateCertificate.
 
-grpc asks `ServingCertificate.fetch` at each new handshake: it gets the new pair once, then None
-(keep it); connections already open keep theirs. A pair is checked before it is taken: its key
-must match its certificate, and the certificate must chain to the job's CA and be valid now,
-which a TLS handshake in memory proves (the new pair serving, a client that trusts only the
-job's CA). A bad pair is refused by name and the pair in use stays. The client certificates the
-server accepts stay those of the job's CA, which does not change here.
+grpc asks `ServingCertificate.fetch` at each new handshake: it gets the new configuration once,
+then None (keep it); connections already open keep theirs. A pair is checked before it is taken:
+its key must match its certificate, and the certificate must chain to the CAs it is to be served
+under and be valid now, which a TLS handshake in memory proves (the new pair serving, a client
+that trusts only those CAs). A bad pair is refused by name and the configuration in use stays.
 """
 
 from __future__ import annotations
@@ -36,46 +37,55 @@ def fingerprint(cert: bytes) -> str:
     return hashlib.sha256(ssl.PEM_cert_to_DER_cert(text[start:end])).hexdigest()
 
 
+Serving = tuple[bytes, bytes, bytes]
+"""The private key and certificate served, and the CA certificates clients' must chain to (PEM)."""
+
+
 class ServingCertificate:
-    """The pair the API serves and the CA its clients' certificates must chain to."""
+    """The pair the API serves and the CAs its clients' certificates must chain to."""
 
     def __init__(self, tls: Tls) -> None:
-        self.ca = tls.ca
-        self._pair = (tls.key, tls.cert)
-        self._new: tuple[bytes, bytes] | None = None  # taken by the next handshake
+        self._serving: Serving = (tls.key, tls.cert, tls.ca)
+        self._new: Serving | None = None  # taken by the next handshake
         self._lock = threading.Lock()
 
     @property
     def fingerprint(self) -> str:
         with self._lock:
-            return fingerprint(self._pair[1])
+            return fingerprint(self._serving[1])
 
     def credentials(self) -> grpc.ServerCredentials:
         return grpc.dynamic_ssl_server_credentials(
-            self._config(self._pair),
+            _config(self._serving),
             self._fetch,  # type: ignore[arg-type]  # grpc takes None: keep the pair in use
             require_client_authentication=True,
         )
 
-    def _config(self, pair: tuple[bytes, bytes]) -> grpc.ServerCertificateConfiguration:
-        return grpc.ssl_server_certificate_configuration([pair], root_certificates=self.ca)
-
     def _fetch(self) -> grpc.ServerCertificateConfiguration | None:
         with self._lock:
             new, self._new = self._new, None
-        return None if new is None else self._config(new)
+        return None if new is None else _config(new)
 
-    def replace(self, cert: bytes, key: bytes) -> str:
-        """Serve `cert` and `key` (PEM) to new connections; InvalidInput naming what is wrong
-        with them (the pair in use then stays). Returns the new certificate's fingerprint."""
-        check_pair(cert, key, self.ca)
+    def replace(self, cert: bytes, key: bytes, ca: bytes = b"") -> str:
+        """Serve `cert` and `key` (PEM) to new connections, and accept client certificates of
+        the CAs `ca` (PEM; empty: those in use); InvalidInput naming what is wrong with them
+        (nothing changes then). Returns the new certificate's fingerprint."""
         with self._lock:
-            self._pair = self._new = (key, cert)
+            trusted = ca or self._serving[2]
+        check_pair(cert, key, trusted)
+        with self._lock:
+            self._serving = self._new = (key, cert, trusted)
         return fingerprint(cert)
 
 
+def _config(serving: Serving) -> grpc.ServerCertificateConfiguration:
+    key, cert, ca = serving
+    return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+
+
 def check_pair(cert: bytes, key: bytes, ca: bytes) -> None:
-    """InvalidInput unless `key` is `cert`'s and `cert` chains to `ca` and is valid now."""
+    """InvalidInput unless `key` is `cert`'s and `cert` chains to one of the CAs `ca` and is
+    valid now."""
     server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     with tempfile.TemporaryDirectory(prefix="liveshard-cert-") as folder:  # mode 0700
         cert_path, key_path = Path(folder, "tls.crt"), Path(folder, "tls.key")
@@ -91,7 +101,10 @@ def check_pair(cert: bytes, key: bytes, ca: bytes) -> None:
             ) from None
     client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     client.check_hostname = False  # the name is the operator's to check; the chain is ours
-    client.load_verify_locations(cadata=ca.decode("ascii"))
+    try:
+        client.load_verify_locations(cadata=ca.decode("ascii"))
+    except (ssl.SSLError, UnicodeDecodeError) as err:
+        raise InvalidInput(f"ca: not PEM CA certificates ({err})") from None
     try:
         _handshake(client, server)
     except ssl.SSLCertVerificationError as err:

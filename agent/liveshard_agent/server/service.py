@@ -338,9 +338,12 @@ class AgentService:
     ) -> pb.RotateCertificateResponse:
         if self.serving is None:
             raise Refused("this agent serves its API in plaintext: it has no certificate")
-        serving = self.serving.replace(request.cert, request.key)
+        serving = self.serving.replace(request.cert, request.key, request.ca)
         self.board.update(lambda s: replace(s, serving=serving))
-        self.log.info("serving certificate rotated: new connections get %s", serving[:16])
+        self.log.info(
+            "serving certificate rotated%s: new connections get %s",
+            " with the CAs it trusts" if request.ca else "", serving[:16],
+        )  # fmt: skip
         return pb.RotateCertificateResponse()
 
     # ---- helpers ----

@@ -137,12 +137,14 @@ class ReleaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class RotateCertificateRequest(_message.Message):
-    __slots__ = ("cert", "key")
+    __slots__ = ("cert", "key", "ca")
     CERT_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
+    CA_FIELD_NUMBER: _ClassVar[int]
     cert: bytes
     key: bytes
-    def __init__(self, cert: _Optional[bytes] = ..., key: _Optional[bytes] = ...) -> None: ...
+    ca: bytes
+    def __init__(self, cert: _Optional[bytes] = ..., key: _Optional[bytes] = ..., ca: _Optional[bytes] = ...) -> None: ...
 
 class RotateCertificateResponse(_message.Message):
     __slots__ = ()

@@ -148,9 +148,10 @@ class AgentServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RotateCertificate(self, request, context):
-        """Serve the API with this certificate from now on (the operator renewed it from the job's CA);
-        connections already open keep the old one. Refused in plaintext, or for a pair whose key
-        does not match or that does not chain to the job's CA (the certificate in use stays).
+        """Serve the API with this certificate from now on (the operator renewed it, or rotated the
+        job's CA); connections already open keep the old one. With `ca`, accept client certificates
+        of those CAs from now on instead. Refused in plaintext, or for a pair whose key does not
+        match or that does not chain to the CAs it is to be served under (nothing changes then).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

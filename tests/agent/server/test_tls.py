@@ -195,5 +195,37 @@ def test_an_agents_serving_certificate_is_rotated_over_its_api(
         assert served_fingerprint(address, ca.cert, operator) == pki.fingerprint(renewed.cert)
         with secure(address, ca.cert, operator) as fresh:
             assert status(fresh).member == "a0"
+
+        # The job's CA rotates. A pair the CAs it is to be served under do not sign, or CAs that
+        # are no PEM, change nothing.
+        new_ca = pki.new_authority()
+        both = new_ca.cert + ca.cert
+        of_new = pki.serving_pair(new_ca, JOB, NAMESPACE)
+        for bundle, words in [(ca.cert, "not valid under the job's CA"),
+                              (b"garbage", "ca: not PEM CA certificates")]:  # fmt: skip
+            err = agent.refused("RotateCertificate", pb.RotateCertificateRequest(
+                cert=of_new.cert, key=of_new.key, ca=bundle
+            ))  # fmt: skip
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+            assert words in (err.details() or ""), err.details()
+        assert agent.status().serving_certificate == pki.fingerprint(renewed.cert)
+        # A pair of the new CA served under both: the operator's certificates of either CA are
+        # accepted.
+        agent.call("RotateCertificate", pb.RotateCertificateRequest(
+            cert=of_new.cert, key=of_new.key, ca=both
+        ))  # fmt: skip
+        new_operator = pki.operator_pair(new_ca)
+        for client in (operator, new_operator):
+            with secure(address, both, client) as fresh:
+                assert status(fresh).member == "a0"
+        assert served_fingerprint(address, both, operator) == pki.fingerprint(of_new.cert)
+        # The old CA dropped: a client certificate of it is refused from then on.
+        last = pki.serving_pair(new_ca, JOB, NAMESPACE)
+        agent.call("RotateCertificate", pb.RotateCertificateRequest(
+            cert=last.cert, key=last.key, ca=new_ca.cert
+        ))  # fmt: skip
+        assert refused(secure(address, both, operator)) == grpc.StatusCode.UNAVAILABLE
+        with secure(address, new_ca.cert, new_operator) as fresh:
+            assert status(fresh).serving_certificate == pki.fingerprint(last.cert)
     finally:
         agent.close()
