@@ -11,7 +11,10 @@ What the agents' messages mean to the operator (a switch's result, its cause) is
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import grpc
 
@@ -24,6 +27,17 @@ from liveshard_core.layout.layout import Layout
 from .messages import to_proto
 
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+FAN_OUT = 32  # agent calls of one pass in flight at once
+T = TypeVar("T")
+
+
+def fan_out(call: Callable[[Any], T], actions: list[Any]) -> list[T]:
+    """`call` on every action at once, at most FAN_OUT at a time: a reconfiguration's agent
+    calls cost the slowest agent's time, not the sum over members."""
+    if len(actions) <= 1:
+        return [call(a) for a in actions]
+    with ThreadPoolExecutor(max_workers=min(FAN_OUT, len(actions))) as pool:
+        return list(pool.map(call, actions))
 
 
 class AgentError(LiveshardError):

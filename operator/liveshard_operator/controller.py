@@ -21,11 +21,11 @@ from typing import Any
 from liveshard_core.errors import InvalidInput
 
 from . import publish
-from .act import Events, Executor
+from .act import Executor
 from .agents import AgentClient
 from .conditions import Conditions
 from .decide import decide
-from .kube import Kube, Stale
+from .kube import Events, Kube, Stale
 from .metrics import Metrics
 from .observation import Job
 from .observe import observe
@@ -96,9 +96,9 @@ class JobController:
         token = self.executor.token()
         seen = observe(
             self.kube, self.namespace, self.name, token, spec.port, self.clients,
-            self.executor.client_tls,
+            self.executor.certificates.client_tls,
         )  # fmt: skip
-        self.executor.rotate_certificates(body, seen)
+        self.executor.certificates.rotate(body, seen)
         record = Record.from_status(status)
         # The time is read once, after observing, so that every rule of the pass sees the same.
         decision = decide(seen, record, Job(body, spec, model), time.time())

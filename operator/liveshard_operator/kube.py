@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlencode
 
@@ -22,6 +23,8 @@ from kubernetes import config as k8s_config
 from .render import GROUP, PLURAL, VERSION
 
 MERGE = "application/merge-patch+json"
+# Posts a Kubernetes Event on a job: (job, type, reason, message).
+Events = Callable[[dict[str, Any], str, str, str], None]
 SERVICE_ACCOUNT_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"  # kubelet rotates it
 
 

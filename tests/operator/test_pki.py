@@ -101,9 +101,9 @@ def test_the_tls_secrets_are_issued_once_and_read_back_by_every_replica() -> Non
     for each in (first, second):
         each.ensure_objects(BODY, job().spec)
     assert len(kube.created) == 3
-    tls = second.client_tls()
+    tls = second.certificates.client_tls()
     assert (tls.ca, tls.cert, tls.server_name) == (operator["ca.crt"], operator["tls.crt"], NAME)
-    assert tls == first.client_tls()
+    assert tls == first.certificates.client_tls()
 
 
 def test_a_workers_secret_lost_is_issued_again_from_the_same_ca() -> None:
