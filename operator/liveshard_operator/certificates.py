@@ -35,6 +35,9 @@ class Certificates:
     ) -> None:
         self.kube, self.namespace, self.name = kube, namespace, name
         self.events, self.clients = events, clients
+        self.serving: pki.Pair | None = None  # the workers' serving pair, as `ensure` read it
+        self.serving_ca = b""  # and the CA certificates their Secret trusts
+        self._client_tls: ClientTls | None = None  # the operator's side, as `ensure` read it
 
     def ensure(self, job: dict[str, Any]) -> None:
         """The job's CA and certificates: issued once (the operator's Secret first, as it holds
@@ -59,7 +62,7 @@ class Certificates:
             why = self._ca_rotation_asked(job, ca)
             if why:
                 ca = pki.new_authority()
-                data = self._put_tls(job, operator_name, "CARotationStarted", (
+                data = self._patch(job, operator_name, "CARotationStarted", (
                     f"rotating the job's CA ({why}): the new one is trusted beside the old "
                     "until every agent serves a certificate of it"
                 ), {render.CA_CERT: ca.cert + trusted[0], render.CA_KEY: ca.key},
@@ -80,7 +83,7 @@ class Certificates:
         agent = self._tls_secret(agent_name, first_serving)
         if agent[render.CA_CERT] != data[render.CA_CERT]:  # the CA rotates
             serving = pki.serving_pair(ca, self.name, self.namespace)
-            agent = self._put_tls(job, agent_name, "", "", {
+            agent = self._patch(job, agent_name, "", "", {
                 render.CA_CERT: data[render.CA_CERT], render.TLS_CERT: serving.cert,
                 render.TLS_KEY: serving.key,
             })  # fmt: skip
@@ -114,13 +117,13 @@ class Certificates:
         self, job: dict[str, Any], secret: str, pair: pki.Pair, whose: str
     ) -> dict[str, bytes]:
         """Put `pair` in `secret` in place of the pair that is due; its data after."""
-        return self._put_tls(
+        return self._patch(
             job, secret, "CertificateRenewed",
             f"renewed {whose} certificate from the job's CA (Secret {secret})",
             {render.TLS_CERT: pair.cert, render.TLS_KEY: pair.key},
         )  # fmt: skip
 
-    def _put_tls(
+    def _patch(
         self,
         job: dict[str, Any],
         secret: str,
@@ -143,9 +146,6 @@ class Certificates:
             except Exception as err:  # an event is worth a log line, never a failed pass
                 log.warning("job %s: posting event %s: %s", self.name, reason, err)
         return self._secret_data(secret)
-
-    serving: pki.Pair | None = None  # the workers' serving pair, as the last pass read it
-    serving_ca: bytes = b""  # and the CA certificates their Secret trusts
 
     def rotate(self, job: dict[str, Any], seen: Observation) -> None:
         """Send the workers' serving pair and the CAs they trust to every agent that serves
@@ -180,7 +180,7 @@ class Certificates:
         if not pki.issued_by(data[render.TLS_CERT], ca.cert):
             self._renew(job, operator_name, pki.operator_pair(ca), "the operator's client")
         else:
-            self._put_tls(job, operator_name, "CARotated", (
+            self._patch(job, operator_name, "CARotated", (
                 "rotated the job's CA: every agent serves a certificate of the new one, and the "
                 "old one is trusted no more"
             ), {render.CA_CERT: ca.cert})  # fmt: skip
@@ -200,8 +200,6 @@ class Certificates:
         if secret is None:
             raise ApiError("GET", f"secrets/{name}", 404, "the job's Secret is gone")
         return _decoded(secret)
-
-    _client_tls: ClientTls | None = None  # as `ensure_tls` last read it
 
     def client_tls(self) -> ClientTls:
         """The operator's side of the job's mutual TLS, from its `<job>-operator-tls` Secret."""

@@ -1,6 +1,7 @@
-"""`bench/reshard.py --quick` and `bench/training.py --quick` run end to end: both fail on a switch
-that does not commit or lands a wrong byte; here their reports are checked for shape and for what
-must hold whatever the machine (no timing asserted)."""
+"""The benchmarks' quick runs end to end (`bench/reshard.py`, `training.py`, `control.py`,
+`moe.py`, each `--quick`): the first two fail on a switch that does not commit or lands a wrong
+byte; here their reports are checked for shape and for what must hold whatever the machine (no
+timing asserted)."""
 
 from __future__ import annotations
 
@@ -84,3 +85,12 @@ def test_store_benchmark_quick(tmp_path: Path) -> None:
     # Without --resolver-timeout the bench keeps the resolver it was given.
     assert report["resolver"]["RES_OPTIONS"] == os.environ.get("RES_OPTIONS", "")
     assert "torch" in report["machine"]
+
+
+def test_moe_benchmark_quick(tmp_path: Path) -> None:
+    # One member training the smallest mixture of experts: its step is timed and it learns.
+    report = run_bench("moe.py", tmp_path / "moe.json")
+    (row,) = report["models"]
+    assert (row["experts"], row["top_k"], row["steps"]) == (8, 2, 4)
+    assert row["step_seconds"] > 0 and row["tokens_per_second"] > 0
+    assert math.isfinite(row["last_loss"])

@@ -46,4 +46,8 @@ def kube(local_cluster: cluster.ClusterInfo, request: pytest.FixtureRequest) -> 
     namespace = f"{stem}-{uuid.uuid4().hex[:5]}"
     admin = Kube(local_cluster)
     yield admin.create_namespace(namespace)
+    # Workers answer SIGTERM by waiting to be released, for their grace period (minutes): with
+    # their operator gone, they would train on and slow the next tests. Force them out now.
+    admin.run("kubectl", "delete", "pods", "--all", "-n", namespace, "--grace-period=0",
+              "--force", "--wait=false", check=False)  # fmt: skip
     admin.run("kubectl", "delete", "namespace", namespace, "--wait=false", check=False)
