@@ -55,11 +55,12 @@ class Certificates:
             log.info("job %s: issuing its CA and the operator's certificate", self.name)
             return render.operator_tls_secret(job, ca.cert, ca.key, pair.cert, pair.key)
 
-        data = self._tls_secret(operator_name, first_authority)
+        secret = self._tls_secret(operator_name, first_authority)
+        data = _decoded(secret)
         trusted = pki.certificates(data[render.CA_CERT])
         ca = pki.Authority(trusted[0], data[render.CA_KEY])
         if len(trusted) == 1:
-            why = self._ca_rotation_asked(job, ca)
+            why = self._ca_rotation_asked(job, ca, secret)
             if why:
                 ca = pki.new_authority()
                 data = self._patch(job, operator_name, "CARotationStarted", (
@@ -80,7 +81,7 @@ class Certificates:
             serving = pki.serving_pair(ca, self.name, self.namespace)
             return render.agent_tls_secret(job, data[render.CA_CERT], serving.cert, serving.key)
 
-        agent = self._tls_secret(agent_name, first_serving)
+        agent = _decoded(self._tls_secret(agent_name, first_serving))
         if agent[render.CA_CERT] != data[render.CA_CERT]:  # the CA rotates
             serving = pki.serving_pair(ca, self.name, self.namespace)
             agent = self._patch(job, agent_name, "", "", {
@@ -93,25 +94,27 @@ class Certificates:
         self.serving = pki.Pair(agent[render.TLS_CERT], agent[render.TLS_KEY])
         self.serving_ca = agent[render.CA_CERT]
 
-    def _ca_rotation_asked(self, job: dict[str, Any], ca: pki.Authority) -> str:
-        """Why the CA `ca` is to be rotated now ("": it is not)."""
+    def _ca_rotation_asked(
+        self, job: dict[str, Any], ca: pki.Authority, secret: dict[str, Any]
+    ) -> str:
+        """Why the CA `ca` is to be rotated now ("": it is not); `secret`, the operator's, says
+        which value of the annotation was handled last."""
         if pki.renewal_due(ca.cert, before=pki.CA_RENEW_BEFORE):
             return "it ends within a year"
         asked = render.annotation(job, render.ROTATE_CA)
         if not asked:
             return ""
-        secret = self.kube.get(self.namespace, "secrets", render.operator_tls_name(self.name))
-        handled = render.annotation(secret or {}, render.ROTATED_FOR)
+        handled = render.annotation(secret, render.ROTATED_FOR)
         return f"asked by the annotation {render.ROTATE_CA}={asked}" if asked != handled else ""
 
-    def _tls_secret(self, name: str, first: Callable[[], dict[str, Any]]) -> dict[str, bytes]:
-        """The data of Secret `name`, created from `first()` when missing (another replica's,
-        created meanwhile, is the one kept)."""
+    def _tls_secret(self, name: str, first: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """Secret `name`, created from `first()` when missing (another replica's, created
+        meanwhile, is the one kept)."""
         secret = self.kube.get(self.namespace, "secrets", name)
         if secret is None:
             self._create_secret(first())
-            return self._secret_data(name)
-        return _decoded(secret)
+            return self._secret(name)
+        return secret
 
     def _renew(
         self, job: dict[str, Any], secret: str, pair: pki.Pair, whose: str
@@ -195,11 +198,14 @@ class Certificates:
             return False
         return True
 
-    def _secret_data(self, name: str) -> dict[str, bytes]:
+    def _secret(self, name: str) -> dict[str, Any]:
         secret = self.kube.get(self.namespace, "secrets", name)
         if secret is None:
             raise ApiError("GET", f"secrets/{name}", 404, "the job's Secret is gone")
-        return _decoded(secret)
+        return secret
+
+    def _secret_data(self, name: str) -> dict[str, bytes]:
+        return _decoded(self._secret(name))
 
     def client_tls(self) -> ClientTls:
         """The operator's side of the job's mutual TLS, from its `<job>-operator-tls` Secret."""
