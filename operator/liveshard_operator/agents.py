@@ -139,8 +139,8 @@ class AgentClient:
         )
         self._call("Checkpoint", request)
 
-    def release(self, saved: int = 0) -> None:
-        self._call("Release", pb.ReleaseRequest(saved=saved))
+    def release(self, saved: int = 0, discard: bool = False) -> None:
+        self._call("Release", pb.ReleaseRequest(saved=saved, discard=discard))
 
     def rotate_certificate(self, cert: bytes, key: bytes, ca: bytes = b"") -> None:
         self._call("RotateCertificate", pb.RotateCertificateRequest(cert=cert, key=key, ca=ca))

@@ -22,7 +22,7 @@ from liveshard_core.errors import InvalidInput
 
 from . import publish
 from .act import Executor
-from .agents import AgentClient
+from .agents import AgentClient, AgentError, fan_out
 from .conditions import Conditions
 from .decide import decide
 from .kube import Events, Kube, Stale
@@ -50,6 +50,22 @@ class JobController:
         self.executor = Executor(kube, namespace, name, events, self.clients)
         self.metrics = metrics or Metrics()  # the operator's, or one of its own nobody serves
         self.job = f"{namespace}/{name}"  # its `job` label
+
+    def discard(self) -> None:
+        """The job is gone: tell every agent a pass reached to drop its state and exit, so that
+        its pod, which the garbage collector is deleting, ends now instead of at the end of its
+        grace period (an agent keeps training through SIGTERM, waiting to be drained)."""
+
+        def discard(item: tuple[str, AgentClient]) -> None:
+            member, client = item
+            try:
+                client.release(discard=True)
+            except AgentError as err:  # gone already, or never came up: nothing to end
+                log.info("job %s: discarding %s: %s", self.job, member, err)
+
+        fan_out(discard, list(self.clients.items()))
+        if self.clients:
+            log.info("job %s is gone: %d agents discarded", self.job, len(self.clients))
 
     def close(self) -> None:
         for client in self.clients.values():

@@ -61,12 +61,16 @@ class JobLoop:
     def __init__(self, namespace: str, name: str, uid: str) -> None:
         self.namespace, self.name, self.uid = namespace, name, uid
         self.wake, self.stopped = threading.Event(), threading.Event()
+        self.gone = False  # the job was deleted: its agents are discarded as the loop ends
         context = contextvars.copy_context()
         self.thread = threading.Thread(
             target=context.run, args=(self._run,), name=f"job {namespace}/{name}", daemon=True
         )
 
-    def stop(self) -> None:
+    def stop(self, gone: bool = False) -> None:
+        """End the loop; `gone`: because the job was deleted (or replaced), so its agents are
+        discarded (`JobController.discard`), not left for another operator to take over."""
+        self.gone = self.gone or gone
         self.stopped.set()
         self.wake.set()
 
@@ -78,12 +82,15 @@ class JobLoop:
                 if leading():
                     try:
                         if not controller.reconcile():
+                            self.gone = True
                             return
                     except Exception as err:  # a failed pass is logged and retried, never fatal
                         log.exception("reconcile of %s/%s failed: %s", self.namespace, self.name,
                                       err)  # fmt: skip
                 self.wake.wait(PERIOD)
         finally:
+            if self.gone and leading():
+                controller.discard()
             controller.close()
             with _lock:
                 if _loops.get((self.namespace, self.name)) is self:
@@ -99,7 +106,7 @@ def job_changed(*, type: str | None, name: str, namespace: str | None, uid: str,
     with _lock:
         loop = _loops.get(key)
         if loop is not None and (type == "DELETED" or loop.uid != uid):
-            loop.stop()
+            loop.stop(gone=True)
             del _loops[key]
             loop = None
         if type == "DELETED":

@@ -309,6 +309,21 @@ def test_drain_moves_a_worker_out_before_it_is_killed(operator: Kube) -> None:
     steps.wait(training(3), "back to 3 members", STARTUP)
 
 
+def test_a_deleted_jobs_workers_end_at_once_not_at_their_grace_period(operator: Kube) -> None:
+    kube = operator
+    body = job(2)
+    # Were they left to it, the workers would train on through SIGTERM for 900 s.
+    body["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = 900
+    kube.apply(body)
+    Steps(kube).wait(lambda s: training(2)(s) and s.get("step", 0) >= 2, "training", STARTUP)
+    assert len(members(kube)) == 2
+    kube.kubectl("delete", "etj", JOB, "--wait=false")
+    wait_until(lambda: not members(kube) or None, 120, "the deleted job's pods gone",
+               describe=lambda: str(sorted(members(kube))))  # fmt: skip
+    (operator_pod,) = kube.pods("app.kubernetes.io/name=liveshard")
+    assert "is gone: 2 agents discarded" in kube.logs(operator_pod["metadata"]["name"])
+
+
 def test_a_job_starts_with_the_pods_that_land_and_grows_as_more_do(operator: Kube) -> None:
     kube = operator
     nodes = sorted(n["metadata"]["name"] for n in kube.get("/api/v1/nodes")["items"])  # type: ignore[index]

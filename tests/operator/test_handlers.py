@@ -1,11 +1,15 @@
 """The handlers' job loops (one thread each, no kopf daemon): a standby keeps its loops idle and
-runs them once it leads; a deleted job's loop stops. The controller is a stand-in that counts its
-passes."""
+runs them once it leads; a deleted job's loop stops and discards the job's agents, one the
+operator's shutdown stops does not. The controller is a stand-in that counts its passes.
+
+The discard itself (a real agent process dropping its state and exiting, whatever it is doing) is
+tested in `tests/agent/server/test_flow.py`, and a deleted job's pods ending at once on the local
+cluster in `tests/e2e/test_operator.py`."""
 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from liveshard_operator import handlers
@@ -16,13 +20,17 @@ class Passes:
 
     count = 0
     closed = threading.Event()
+    discarded: ClassVar[list[str]] = []
 
-    def __init__(self, *_: Any) -> None:
-        pass
+    def __init__(self, _: Any, namespace: str, name: str, *__: Any) -> None:
+        self.name = name
 
     def reconcile(self) -> bool:
         Passes.count += 1
         return True
+
+    def discard(self) -> None:
+        Passes.discarded.append(self.name)
 
     def close(self) -> None:
         Passes.closed.set()
@@ -34,6 +42,9 @@ class Lease:
 
     def leading(self) -> bool:
         return self.held
+
+    def stop(self) -> None:
+        self.held = False
 
 
 def test_a_standby_runs_no_pass_until_it_leads_and_a_deleted_job_stops_its_loop(
@@ -61,6 +72,14 @@ def test_a_standby_runs_no_pass_until_it_leads_and_a_deleted_job_stops_its_loop(
     loop.thread.join(5)
     assert not loop.thread.is_alive() and Passes.closed.is_set()
     assert handlers.loop_of("ns", "tiny") is None
+    assert Passes.discarded == ["tiny"]
+    # The operator stopping ends a loop without discarding anything: another takes the job on.
+    handlers.job_changed(type=None, name="other", namespace="ns", uid="u-2")
+    other = handlers.loop_of("ns", "other")
+    assert other is not None
+    handlers.stop_all()
+    other.thread.join(5)
+    assert not other.thread.is_alive() and Passes.discarded == ["tiny"]
 
 
 def test_the_leader_gauge_follows_the_elector() -> None:

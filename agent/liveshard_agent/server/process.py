@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import replace
 from wsgiref.simple_server import WSGIServer
 
@@ -42,6 +43,9 @@ from .status import StatusBoard
 log = logging.getLogger(__name__)
 
 _STOP_GRACE = 5.0  # seconds for calls in flight (the Release's answer) when the server stops
+# Seconds a discarded agent's member gets to reach a step boundary before the process exits
+# anyway: a member inside a collective whose peers have exited would wait out its op deadline.
+DISCARD_EXIT = 5.0
 
 
 def device_of(choice: str | None) -> torch.device:
@@ -110,6 +114,10 @@ def serve(config: AgentConfig, board: StatusBoard) -> int:
         config.address, device, spec.config.name, spec.config.param_dtype.value,
     )  # fmt: skip
     status = 0
+    stopped = threading.Event()
+    threading.Thread(
+        target=_exit_when_discarded, args=(service.discarded, stopped, logger), daemon=True
+    ).start()
     try:
         run_member(member, inbox, exporting(reporter, logger))
     except Exception as err:  # a broken world or a bug: report it, keep serving the status
@@ -117,6 +125,7 @@ def serve(config: AgentConfig, board: StatusBoard) -> int:
         service.released.wait()
         status = 1
     finally:
+        stopped.set()
         board.close()
         server.stop(_STOP_GRACE).wait()
         if metrics_server is not None:
@@ -124,6 +133,20 @@ def serve(config: AgentConfig, board: StatusBoard) -> int:
             metrics_server.server_close()
     reporter.log.info("released: exiting with status %s", status)
     return status
+
+
+def _exit_when_discarded(
+    discarded: threading.Event,
+    stopped: threading.Event,
+    logger: logging.LoggerAdapter[logging.Logger],
+) -> None:
+    """Once the agent is discarded, give its member `DISCARD_EXIT` seconds to stop, then end
+    the process: its state is to be dropped, so nothing is lost by not waiting."""
+    discarded.wait()
+    if not stopped.wait(DISCARD_EXIT):
+        logger.warning("discarded: the member did not stop within %s s; exiting now", DISCARD_EXIT)
+        logging.shutdown()
+        os._exit(0)
 
 
 def serve_metrics(

@@ -82,6 +82,7 @@ class AgentService:
         self.checkpoints: dict[int, pb.CheckpointRequest] = {}
         self.drops: dict[int, Ticket] = {}
         self.released = threading.Event()
+        self.discarded = threading.Event()  # released with its state dropped: the job is gone
         self._lock = threading.Lock()
         self._watchers = 0
 
@@ -314,21 +315,28 @@ class AgentService:
             snapshot = self.board.get()
             phase = snapshot.phase
             saved = _last_checkpoint(snapshot)
-            if phase is Phase.TRAINING and not (request.saved and (saved or 0) >= request.saved):
+            keeps = not request.discard  # a discarded agent's state goes whatever it holds
+            if (phase is Phase.TRAINING and keeps
+                    and not (request.saved and (saved or 0) >= request.saved)):  # fmt: skip
                 kept = f"; its last checkpoint is {saved}" if request.saved else ""
                 raise Refused(
                     f"this agent is a member of the world in effect (epoch "
                     f"{snapshot.observed.epoch}); reconfigure it out before releasing it, or "
                     f"save its state first{kept}"
                 )
-            if phase is Phase.JOINING:
+            if phase is Phase.JOINING and keeps:
                 raise Refused(
                     f"this agent is joining a world ({_pending_text(snapshot)}); abort it first"
                 )
             self.released.set()
+            if request.discard:
+                self.discarded.set()
             ticket = self.inbox.put(Stop())
             self._claim(Claim(ticket.number, ClaimKind.STOP, 0))
-        self.log.info("released in phase %s: exiting", phase.name)
+        if request.discard:
+            self.log.warning("discarded in phase %s (its job is gone): exiting unsaved", phase.name)
+        else:
+            self.log.info("released in phase %s: exiting", phase.name)
         return pb.ReleaseResponse()
 
     # ---- certificates ----

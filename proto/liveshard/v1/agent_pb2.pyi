@@ -127,10 +127,12 @@ class CheckpointResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("saved",)
+    __slots__ = ("saved", "discard")
     SAVED_FIELD_NUMBER: _ClassVar[int]
+    DISCARD_FIELD_NUMBER: _ClassVar[int]
     saved: int
-    def __init__(self, saved: _Optional[int] = ...) -> None: ...
+    discard: bool
+    def __init__(self, saved: _Optional[int] = ..., discard: _Optional[bool] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ()

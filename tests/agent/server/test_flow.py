@@ -265,6 +265,32 @@ def test_a_one_member_job_trains_to_its_end(tmp_path: Path) -> None:
         assert solo.wait_exit() == 0
 
 
+def test_the_agents_of_a_deleted_job_are_discarded_whatever_they_do(tmp_path: Path) -> None:
+    """2 agent processes training, told their pods are going (SIGTERM), then that their job is
+    gone (`discard`), which a member of the world in effect takes though a plain Release is
+    refused. a0, whose peer is stopped (SIGSTOP) so that its collective waits for an op deadline
+    of 120 s, exits a few seconds after its answer; a1, let go on, exits at its step boundary."""
+    config = {**CONFIG, "deadlines": {"op": 120, "switch": 180, "prepare": 180}}
+    with agents(["a0", "a1"], tmp_path, LIVESHARD_CONFIG=json.dumps(config)) as started:
+        a0, a1 = started["a0"], started["a1"]
+        world = layout(["a0", "a1"], dp=2)
+        prepare([a0, a1], pb.PrepareRequest(epoch=0, store=host_store(a0, 0), to=world))
+        for agent in (a0, a1):
+            trains(agent, 2)
+            agent.signal()
+            agent.wait_for("terminating", lambda s: s.terminating)
+        err = a0.refused("Release", pb.ReleaseRequest())
+        assert err.code() == Code.FAILED_PRECONDITION and "member of the world" in str(err)
+        a1.signal(signal.SIGSTOP)
+        a0.call("Release", pb.ReleaseRequest(discard=True))
+        assert a0.wait_exit(timeout=60) == 0
+        assert "did not stop within" in a0.output()
+        a1.signal(signal.SIGCONT)
+        a1.call("Release", pb.ReleaseRequest(discard=True))
+        assert a1.wait_exit() == 0
+        assert "did not stop within" not in a1.output()
+
+
 def test_a_joining_member_whose_store_dies_gives_the_change_up(tmp_path: Path) -> None:
     """3 agent processes: a1 waits to join a0's world through a store a2 hosts; a2 is killed.
     a1 gives the change up and stands by, alive, for the next one."""
