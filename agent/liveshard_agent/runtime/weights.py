@@ -52,8 +52,9 @@ class Weight:
     boxes: list[Box]  # TP-local boxes, in part order
     tensors: list[torch.Tensor]  # what the model computes with: leaves that require grad
     reduce: Axis  # the replicas that sum its gradient: DP or EXPERT_DP
-    shards: list[Box]  # the boxes of its optimizer state this rank holds (its ZeRO shard)
+    shards: list[Box]  # the boxes of its optimizer state this rank holds and updates
     counted: list[bool]  # per shard: whether this rank counts it in the global norm
+    own: list[Box]  # its ZeRO shard: the shards but a mirrored predecessor's (`Layout.mirror`)
     tp_partial: bool = False
     tied: bool = False
 
@@ -82,6 +83,7 @@ class Weights:
         spec, layout, rank = state.spec, state.layout, state.rank
         out = cls(spec, layout, rank, state, world)
         zero3 = layout.zero >= 3
+        unmirrored = dataclasses.replace(layout, mirror=False)
         for index, param in enumerate(spec.params):
             param_place = place(spec, layout, param, StateKind.PARAM)
             local = rank_boxes(layout, dataclasses.replace(param_place, sharded=False), rank)
@@ -98,6 +100,7 @@ class Weights:
                 t.requires_grad_(True)
             opt_place = place(spec, layout, param, StateKind.EXP_AVG)
             shards = rank_boxes(layout, opt_place, rank)
+            own = rank_boxes(unmirrored, opt_place, rank) if layout.mirror else shards
             designated = {
                 box for box, holders in partition(layout, opt_place) if holders[0] == rank
             }
@@ -109,6 +112,7 @@ class Weights:
                 reduce=Axis.EXPERT_DP if param.expert is not None else Axis.DP,
                 shards=shards,
                 counted=[box in designated for box in shards],
+                own=own,
                 tp_partial=param.name.rsplit(".", 1)[-1] in _TP_PARTIAL and layout.tp > 1,
                 tied=param.placement is Placement.FIRST_AND_LAST and layout.pp > 1,
             )
@@ -137,7 +141,7 @@ class Weights:
     @torch.no_grad()
     def sync_from_shards(self) -> None:
         """Fill every weight's full local tensors from the parameter rows of its replicas'
-        shards (each replica contributes the rows of its own shard)."""
+        shards (each replica contributes the rows of its own shard, never of a mirrored one)."""
         for axis, weights in self.by_reduce().items():
             flat = _assemble(weights, self.param_view, self.state.device)
             comm.all_reduce(flat, self.world.group(axis))
@@ -152,7 +156,7 @@ class Weights:
 def _assemble(
     weights: list[Weight], source: Callable[[Weight, Box], torch.Tensor], device: torch.device
 ) -> torch.Tensor:
-    """A flat buffer of every weight's local tensors, zero except the rows of this rank's
+    """A flat buffer of every weight's local tensors, zero except the rows of this rank's own
     shards, which come from `source(weight, shard)`; summed over the replicas (each row is
     nonzero at exactly one of them, and adding zeros is exact) it holds every row."""
     total = sum(w.elements for w in weights)
@@ -163,7 +167,7 @@ def _assemble(
         for t in w.tensors:
             views.append(flat[offset : offset + t.numel()].view(t.shape))
             offset += t.numel()
-        for shard in w.shards:
+        for shard in w.own:
             box_view(w.boxes, views, shard).copy_(source(w, shard))
     return flat
 

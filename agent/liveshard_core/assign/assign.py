@@ -62,6 +62,7 @@ def _placeholder(shape: Layout | Degrees, spec: ModelSpec) -> Layout:
     return Layout.create(
         spec, [str(i) for i in range(shape.world_size)], dp=shape.dp, tp=shape.tp,
         pp=shape.pp, ep=shape.ep, zero=shape.zero, pp_layers=shape.pp_layers,
+        mirror=shape.mirror,
     )  # fmt: skip
 
 

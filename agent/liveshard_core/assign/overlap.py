@@ -106,8 +106,10 @@ def _side(layout: Layout, placed: Placed) -> _Side:
         tps = range(layout.tp) if tp_key is None else (tp_key,)
         local = tp_local_boxes(placed, layout.tp, tp_key)
         if placed.sharded:
+            mirrored = layout.mirror and len(group) > 1  # shard z also at the next of the group
             for z, dp_i in enumerate(group):
-                ranks = [layout.rank(0, dp_i, t) for t in tps]
+                dps = sorted({dp_i, group[(z + 1) % len(group)]}) if mirrored else [dp_i]
+                ranks = [layout.rank(0, d, t) for d in dps for t in tps]
                 for box in zero_shard_boxes(placed, local, len(group), z):
                     if not is_empty(box):
                         boxes.append(box)

@@ -4,12 +4,14 @@ Conventions (docs/layouts.md states them in full):
 - rank order: tp fastest, then dp, then pp: `rank = pp_i*dp*tp + dp_i*tp + tp_i`;
 - ep is carved out of dp: a rank's ep rank is `dp_i % ep`;
 - `pp_layers` gives the number of transformer layers per stage; by default the first
-  `layers % pp` stages hold one extra layer.
+  `layers % pp` stages hold one extra layer;
+- `mirror` (ZeRO only): each ZeRO shard is also held by the next member of its shard group, in
+  dp order and round, so no byte of the state has a single holder (`region.Geometry`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from ..errors import InvalidInput
@@ -29,6 +31,12 @@ class Layout:
     zero: int
     pp_layers: tuple[int, ...]
     members: tuple[str, ...] = field(repr=False)
+    mirror: bool = False
+
+    @staticmethod
+    def can_mirror(dp: int, zero: int) -> bool:
+        """Whether ZeRO shards have another member to be mirrored by."""
+        return zero > 0 and dp >= 2
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "ep"):
@@ -55,6 +63,13 @@ class Layout:
             )
         if len(set(self.members)) != len(self.members):
             raise InvalidInput("layout: a member appears twice in the member list")
+        if type(self.mirror) is not bool:
+            raise InvalidInput(f"layout: mirror={self.mirror!r} must be a boolean")
+        if self.mirror and not self.can_mirror(self.dp, self.zero):
+            raise InvalidInput(
+                f"layout: mirror needs ZeRO shards with another holder to take them (zero=1 or 3 "
+                f"and dp >= 2), not zero={self.zero}, dp={self.dp}"
+            )
 
     @classmethod
     def create(
@@ -68,6 +83,7 @@ class Layout:
         ep: int = 1,
         zero: int = 0,
         pp_layers: tuple[int, ...] | None = None,
+        mirror: bool = False,
     ) -> Layout:
         """A layout for `spec`, checked for feasibility. Without `pp_layers` the partition is
         balanced; without `pp`, there are as many stages as `pp_layers` lists (or one)."""
@@ -78,7 +94,7 @@ class Layout:
             if type(pp) is not int or not 1 <= pp <= layers:
                 raise InvalidInput(f"layout: pp={pp!r} must be between 1 and the {layers} layers")
             pp_layers = tuple(layers // pp + (1 if s < layers % pp else 0) for s in range(pp))
-        layout = cls(dp, tp, pp, ep, zero, tuple(pp_layers), tuple(members))
+        layout = cls(dp, tp, pp, ep, zero, tuple(pp_layers), tuple(members), mirror)
         layout.check(spec)
         return layout
 
@@ -138,7 +154,7 @@ class Layout:
         """The layout without its members (its pipeline partition included)."""
         return Degrees(
             dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep, zero=self.zero,
-            pp_layers=self.pp_layers,
+            pp_layers=self.pp_layers, mirror=self.mirror,
         )  # fmt: skip
 
     def describe(self) -> str:
@@ -156,30 +172,36 @@ class Degrees:
     ep: int = 1
     zero: int = 0
     pp_layers: tuple[int, ...] | None = None
+    mirror: bool = False
 
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
 
+    def mirrored(self, wanted: bool) -> Degrees:
+        """These degrees with ZeRO shards mirrored when `wanted` and they can be."""
+        return replace(self, mirror=wanted and Layout.can_mirror(self.dp, self.zero))
+
     def describe(self) -> str:
         """In the command-line syntax (`parse_degrees` reads it back)."""
         text = f"dp={self.dp},tp={self.tp},pp={self.pp},ep={self.ep},zero={self.zero}"
-        if self.pp_layers is None:
-            return text
-        return f"{text},pp_layers={':'.join(map(str, self.pp_layers))}"
+        if self.pp_layers is not None:
+            text += f",pp_layers={':'.join(map(str, self.pp_layers))}"
+        return text + (",mirror=1" if self.mirror else "")
 
     def layout(self, spec: ModelSpec, members: tuple[str, ...] | list[str]) -> Layout:
         return Layout.create(
             spec, members, dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep, zero=self.zero,
-            pp_layers=self.pp_layers,
+            pp_layers=self.pp_layers, mirror=self.mirror,
         )  # fmt: skip
 
 
-_KEYS = ("dp", "tp", "pp", "ep", "zero", "pp_layers")
+_KEYS = ("dp", "tp", "pp", "ep", "zero", "pp_layers", "mirror")
 
 
 def parse_degrees(text: str) -> Degrees:
-    """Parse `tp=8,pp=8,dp=16,zero=1[,ep=E][,pp_layers=A:B:...]`; unset degrees are 1."""
+    """Parse `tp=8,pp=8,dp=16,zero=1[,ep=E][,pp_layers=A:B:...][,mirror=1]`; unset degrees
+    are 1, `mirror` 0."""
     values: dict[str, int] = {}
     pp_layers: tuple[int, ...] | None = None
     for item in filter(None, (part.strip() for part in text.split(","))):
@@ -200,4 +222,7 @@ def parse_degrees(text: str) -> Degrees:
             raise InvalidInput(f"layout {text!r}: {key}={raw!r} is not an integer") from None
     if pp_layers is not None:
         values.setdefault("pp", len(pp_layers))
-    return Degrees(**values, pp_layers=pp_layers)
+    mirror = values.pop("mirror", 0)
+    if mirror not in (0, 1):
+        raise InvalidInput(f"layout {text!r}: mirror={mirror} must be 0 or 1")
+    return Degrees(**values, pp_layers=pp_layers, mirror=bool(mirror))

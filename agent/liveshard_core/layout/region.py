@@ -2,7 +2,9 @@
 
 PP picks which tensors a rank holds at all; TP (and EP for experts) cuts boxes along a dimension;
 DP replicates; ZeRO shards the rank's TP-local rows along dim 0 across its dp group (the expert-dp
-group for experts), `torch.chunk` style. A fused dimension is split part by part, and a ZeRO shard
+group for experts), `torch.chunk` style. A mirrored layout (`Layout.mirror`) has each ZeRO shard
+held also by the next member of its group (shard z by group members z and z + 1, round), so a
+rank holds two cells of a sharded tensor: its own shard and its predecessor's. A fused dimension is split part by part, and a ZeRO shard
 of a fused dim-0 tensor is a contiguous run of the local concatenation, so it may be two boxes.
 
 Everything a tensor's boxes depend on is its `Placed` value; tensors with equal `Placed` values
@@ -161,6 +163,8 @@ class Geometry:
         self.group = range(layout.dp) if owner is None else range(owner, layout.dp, layout.ep)
         self.split = placed.split_dim is not None
         self.shards = len(self.group) if placed.sharded else 1
+        # Each shard held also by the next member of the group (a group of one has none).
+        self.mirrored = placed.sharded and layout.mirror and self.shards > 1
         self.width = len(placed.parts or (0,)) if self.split else 1  # local boxes per tp index
         self._boxes: dict[Cell, list[tuple[int, Box]]] = {}
         self._holders: dict[Cell, Holders] = {}
@@ -175,10 +179,18 @@ class Geometry:
         if cell not in self._holders:
             t, z = cell
             layout = self.layout
-            dps = self.group[z : z + 1] if self.placed.sharded else self.group
+            dps = self._shard_dps(z) if self.placed.sharded else self.group
             tps = range(t, t + 1) if self.split else range(layout.tp)
             self._holders[cell] = Holders(self.placed.stages, dps, tps, layout.dp, layout.tp)
         return self._holders[cell]
+
+    def _shard_dps(self, z: int) -> range:
+        """The dp indices that hold shard `z`: its member of the group, and the next one when
+        mirrored (two indices in order are a range)."""
+        if not self.mirrored:
+            return self.group[z : z + 1]
+        a, b = sorted((self.group[z], self.group[(z + 1) % self.shards]))
+        return range(a, b + 1, b - a)
 
     def _local(self, t: int) -> list[Box]:
         """The boxes of tp index `t` before ZeRO shards them (any tp index, when not split)."""
@@ -196,10 +208,13 @@ class Geometry:
         if self.placed.sharded:
             every = range(1) if self.split else range(tp)
             return {
-                (t, z): tuple((s * dp + d) * tp + t + u for s in stages for u in every)
+                (t, z): tuple(
+                    (s * dp + d) * tp + t + u for s in stages for d in self._shard_dps(z)
+                    for u in every
+                )
                 for t in tps
-                for z, d in enumerate(self.group)
-            }
+                for z in range(self.shards)
+            }  # fmt: skip
         return {(t, 0): self.holders((t, 0)).ranks() for t in tps}
 
     def boxes(self, cell: Cell) -> list[tuple[int, Box]]:
@@ -221,20 +236,27 @@ class Geometry:
             (j, box, self.holders(cell)) for cell in self.cells() for j, box in self.boxes(cell)
         ]
 
-    def cell_of(self, rank: int) -> Cell | None:
-        """The cell whose boxes `rank` holds; None when it holds none."""
+    def cells_of(self, rank: int) -> list[Cell]:
+        """The cells whose boxes `rank` holds, in ordinal order: one, or, mirrored, its own
+        shard's and its predecessor's; none when it holds no box of the tensor."""
         pp_i, dp_i, tp_i = self.layout.coords(rank)
         if pp_i not in self.placed.stages or dp_i not in self.group:
-            return None
-        return (tp_i if self.split else 0, self.group.index(dp_i) if self.placed.sharded else 0)
+            return []
+        t = tp_i if self.split else 0
+        if not self.placed.sharded:
+            return [(t, 0)]
+        z = self.group.index(dp_i)
+        if not self.mirrored:
+            return [(t, z)]
+        return sorted({(t, z), (t, (z - 1) % self.shards)})
 
     def of_rank(self, rank: int) -> list[Entry]:
         """The boxes `rank` holds, in ordinal order."""
-        cell = self.cell_of(rank)
-        if cell is None:
-            return []
-        holders = self.holders(cell)
-        return [(j, box, holders) for j, box in self.boxes(cell)]
+        return [
+            (j, box, self.holders(cell))
+            for cell in self.cells_of(rank)
+            for j, box in self.boxes(cell)
+        ]
 
     def overlapping(self, query: Box) -> list[Entry]:
         """The boxes that overlap `query` (a box of the same tensor), in ordinal order."""

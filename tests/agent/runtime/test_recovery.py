@@ -58,6 +58,15 @@ SCENARIOS = {
                                                           ("14:dp=4",)),
     "two members die at once": ("tiny", "dp=4", ("10:0", "10:3"), ()),
     "ep, experts from their other replica": ("tiny-moe", "dp=4,ep=2", ("5:2",), ("12:dp=4",)),
+    # Mirrored ZeRO shards (`Layout.mirror`): a dead member's shard from the next of its group.
+    "ZeRO-1 mirrored, a member dies": ("tiny", "dp=2,zero=1,mirror=1", ("6:1",), ()),
+    "ZeRO-3 and tp mirrored, then a switch": ("tiny", "tp=2,dp=2,zero=3,mirror=1", ("6:0",),
+                                              ("12:dp=4,zero=1,mirror=1",)),
+    "ZeRO-1 and pp mirrored": ("tiny", "pp=2,dp=2,zero=1,mirror=1", ("6:2",), ()),
+    "two members die, each shard keeps a holder": ("tiny", "dp=4,zero=1,mirror=1",
+                                                   ("6:0", "6:2"), ()),
+    "expert shards mirrored in their expert-dp group": ("tiny-moe", "dp=4,ep=2,zero=1,mirror=1",
+                                                        ("5:1",), ()),
 }  # fmt: skip
 
 
@@ -88,6 +97,12 @@ def test_a_loss_without_a_surviving_copy_stops_a_job_that_saved_no_checkpoint() 
     # ZeRO-1 on two members: each holds the only copy of half the optimizer state.
     with pytest.raises(RuntimeError, match=r"no surviving copy .* no checkpoint was saved"):
         run_job(job("tiny", "dp=2,zero=1", kills=(ScriptedKill(5, 1),)))
+
+
+def test_a_mirrored_shard_whose_two_holders_die_at_once_has_no_surviving_copy() -> None:
+    # dp=4 mirrored: shard 1 is held by members 1 and 2 only.
+    with pytest.raises(RuntimeError, match=r"no surviving copy .* no checkpoint was saved"):
+        run_job(job("tiny", "dp=4,zero=1,mirror=1", kills=(ScriptedKill(5, 1), ScriptedKill(5, 2))))
 
 
 def test_a_loss_without_a_surviving_copy_restarts_from_the_last_checkpoint(tmp_path: Path) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from liveshard_core.layout.layout import Layout
-from liveshard_core.layout.region import partition, place, rank_boxes, region
+from liveshard_core.errors import InvalidInput
+from liveshard_core.layout.layout import Layout, parse_degrees
+from liveshard_core.layout.region import owner_of, partition, place, rank_boxes, region
 from liveshard_core.vps.box import Box, full_box, volume
 from liveshard_core.vps.presets import preset
 from liveshard_core.vps.spec import ModelSpec, StateKind, TensorRef, TransformerConfig
@@ -48,14 +50,42 @@ def test_partition_covers_once_and_agrees_with_rank_boxes(data: st.DataObject) -
                 r = TensorRef(spec.params.index(param), kind)
                 assert sorted(region(spec, layout, rank, r)) == mine
             # Replication: the holders of each box, counted over the layout, hold the whole
-            # tensor exactly (dp or dp/ep replicas if not sharded, one if sharded) times per stage.
+            # tensor exactly (dp or dp/ep replicas if not sharded; one if sharded, two when
+            # mirrored in a group of two or more) times per stage.
             stages = len(placed.stages)
             group = layout.dp if param.expert is None else layout.dp // layout.ep
-            copies = stages * (1 if placed.sharded else group)
+            shard_copies = 2 if layout.mirror and group > 1 else 1
+            copies = stages * (shard_copies if placed.sharded else group)
             if param.split_dim is None:
                 copies *= layout.tp
             held = sum(volume(b) * len(h) for b, h in parts)
             assert held == copies * numel
+
+
+def test_a_mirrored_shard_is_held_by_its_member_and_the_next_of_its_group() -> None:
+    """tiny-moe, dp=4, ep=2, ZeRO-1, mirrored: a dense weight's 4 shards go round the dp
+    group, an expert's 2 shards round its expert-dp group (dp indices of one ep rank)."""
+    spec = MOE
+    layout = Layout.create(spec, [f"m{i}" for i in range(4)], dp=4, ep=2, zero=1, mirror=True)
+    dense = spec.params[[p.name for p in spec.params].index("layers.0.attn.o")]
+    parts = partition(layout, place(spec, layout, dense, StateKind.EXP_AVG))
+    assert [holders for _, holders in parts] == [(0, 1), (1, 2), (2, 3), (0, 3)]
+    # Parameters are not ZeRO-1's shards: replicated, as without the mirror.
+    assert [h for _, h in partition(layout, place(spec, layout, dense, StateKind.PARAM))] == [
+        (0, 1, 2, 3)
+    ]
+    expert = next(p for p in spec.params if p.expert == 1)  # ep rank 0 holds experts 0..half
+    owner = owner_of(spec, layout, expert)
+    parts = partition(layout, place(spec, layout, expert, StateKind.EXP_AVG))
+    assert [holders for _, holders in parts] == [(owner, owner + 2)] * 2
+    # Each rank holds its own shard and its predecessor's: twice ZeRO's share, no more.
+    for rank in range(4):
+        own = rank_boxes(layout, place(spec, layout, dense, StateKind.EXP_AVG), rank)
+        assert len(own) == 2
+    with pytest.raises(InvalidInput, match="mirror needs ZeRO"):
+        Layout.create(spec, ["a", "b"], dp=2, ep=2, zero=0, mirror=True)
+    assert parse_degrees("dp=4,zero=1,mirror=1").mirror
+    assert parse_degrees(layout.describe()) == layout.degrees
 
 
 def test_fused_qkv_zero1_by_hand() -> None:
