@@ -29,5 +29,5 @@ def cause_of(summary: pb.SwitchSummary) -> Cause | None:
 def to_proto(layout: Layout) -> pb.Layout:
     return pb.Layout(
         dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep, zero=layout.zero,
-        pp_layers=list(layout.pp_layers), members=list(layout.members),
+        pp_layers=list(layout.pp_layers), members=list(layout.members), mirror=layout.mirror,
     )  # fmt: skip

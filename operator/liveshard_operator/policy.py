@@ -35,7 +35,7 @@ class Choice:
 def constraints(job: JobSpec) -> Constraints:
     p, t = job.parallelism, job.training
     return Constraints(
-        tp=p.tp, pp=p.pp, pp_max=p.pp_max, ep=p.ep, zero=p.zero,
+        tp=p.tp, pp=p.pp, pp_max=p.pp_max, ep=p.ep, zero=p.zero, mirror=job.snapshots,
         global_batch=t.global_batch, micro_batch=t.micro_batch, seq_len=t.seq_len,
     )  # fmt: skip
 

@@ -169,7 +169,7 @@ def _size(degrees: Degrees, pp_layers: tuple[int, ...]) -> int:
 def _layout(draft: Draft, old: Layout, pp_layers: tuple[int, ...], joiners: list[str]) -> Layout:
     """The layout of `old`'s degrees on `pp_layers`: its members placed to move the fewest bytes,
     `joiners` on the ranks a grow adds."""
-    degrees = Degrees(old.dp, old.tp, len(pp_layers), old.ep, old.zero, tuple(pp_layers))
+    degrees = old.degrees.repartitioned(pp_layers)
     members = policy.assign(draft.job.model, old, degrees, list(old.members), joiners)
     return degrees.layout(draft.job.model, members)
 

@@ -79,6 +79,7 @@ class JobSpec:
     suspend: bool  # save the state to a checkpoint and release every pod until it is false
     max_start_failures: int  # pods failed to start in a row before the job without a world fails
     template: dict[str, Any] = field(repr=False)
+    snapshots: bool = True  # mirror ZeRO shards (`Layout.mirror`) wherever the layout can
 
     @classmethod
     def parse(cls, spec: dict[str, Any]) -> JobSpec:
@@ -90,6 +91,9 @@ class JobSpec:
         ckpt = spec.get("checkpoint") or {}
         template = spec.get("template") or {}
         scheduling = spec.get("scheduling") or {}
+        snapshots = (spec.get("faultTolerance") or {}).get("snapshots", True)
+        if type(snapshots) is not bool:
+            raise InvalidInput(f"spec.faultTolerance.snapshots={snapshots!r} must be true or false")
         if ckpt.get("exportTo") and not ckpt.get("path"):
             raise InvalidInput(
                 "spec.checkpoint.exportTo needs spec.checkpoint.path: the export is written from "
@@ -136,6 +140,7 @@ class JobSpec:
                 "spec.scheduling.maxStartFailures",
             ),
             template=template,
+            snapshots=snapshots,
         )
         if job.suspend and not job.checkpoint_path:
             raise InvalidInput(

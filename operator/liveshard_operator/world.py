@@ -43,6 +43,7 @@ class World:
         return {
             "epoch": self.epoch, "dp": d.dp, "tp": d.tp, "pp": d.pp, "ep": d.ep, "zero": d.zero,
             "ppLayers": list(d.pp_layers or ()), "members": list(self.members),
+            **({"mirror": True} if d.mirror else {}),
         }  # fmt: skip
 
     @classmethod
@@ -50,6 +51,7 @@ class World:
         degrees = Degrees(
             dp=int(data["dp"]), tp=int(data["tp"]), pp=int(data["pp"]), ep=int(data["ep"]),
             zero=int(data["zero"]), pp_layers=tuple(int(n) for n in data["ppLayers"]),
+            mirror=bool(data.get("mirror", False)),
         )  # fmt: skip
         return cls(int(data["epoch"]), degrees, tuple(data["members"]))
 

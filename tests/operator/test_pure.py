@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 from liveshard_operator import conditions, policy, render
+from liveshard_operator.messages import to_proto
 from liveshard_operator.spec import JobSpec, parse_quantity
+from liveshard_operator.world import World
 
 from liveshard_core.errors import InvalidInput
 from liveshard_core.job import Deadlines, JobConfig
@@ -167,6 +169,28 @@ def test_policy_keeps_fixed_degrees_and_says_when_nothing_fits() -> None:
     fixed = JobSpec.parse({**JOB["spec"], "parallelism": {"tp": 2, "pp": 2}})
     with pytest.raises(InvalidInput, match="no layout of at most 3 members fits tiny"):
         policy.choose(fixed.model_spec(), fixed, 3)
+
+
+def test_snapshots_mirror_zero_shards_wherever_a_layout_can() -> None:
+    body = {k: v for k, v in JOB["spec"].items() if k != "faultTolerance"}
+    spec = JobSpec.parse(body)  # on by default
+    model = spec.model_spec()
+    assert spec.snapshots
+    four = policy.choose(model, spec, 4).degrees
+    assert (four.dp, four.zero, four.mirror) == (4, 1, True)
+    assert not policy.choose(model, spec, 1).degrees.mirror  # dp=1: no other holder
+    unsharded = JobSpec.parse({**body, "parallelism": {"zero": 0}})
+    assert not policy.choose(model, unsharded, 4).degrees.mirror
+    off = JobSpec.parse({**body, "faultTolerance": {"snapshots": False}})
+    assert not policy.choose(model, off, 4).degrees.mirror
+    # The record in the job's status keeps it, and so do the agents' layouts.
+    world = World.of(3, four.layout(model, ["a", "b", "c", "d"]))
+    assert World.from_dict(world.to_dict()) == world and world.to_dict()["mirror"] is True
+    assert to_proto(world.layout(model)).mirror
+    held_once = policy.choose(model, off, 4).degrees.layout(model, ["a", "b", "c", "d"])
+    assert "mirror" not in World.of(3, held_once).to_dict() and not to_proto(held_once).mirror
+    with pytest.raises(InvalidInput, match=r"spec.faultTolerance.snapshots='yes' must be true"):
+        JobSpec.parse({**body, "faultTolerance": {"snapshots": "yes"}})
 
 
 def test_conditions_move_on_flips_and_terminal_ones_stay() -> None:

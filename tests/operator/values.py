@@ -22,6 +22,9 @@ BODY: dict[str, Any] = {
     "spec": {
         "replicas": 4, "minReplicas": 1, "maxReplicas": 8,
         "parallelism": {"zero": 1},
+        # Shards held once: the decisions are tested on ZeRO's own layouts (mirrored ones in
+        # test_decide's snapshot cases).
+        "faultTolerance": {"snapshots": False},
         "model": {"preset": "tiny"},
         # dp must divide 24 / 2 = 12: 5 members can use only 4.
         "training": {"globalBatch": 24, "microBatch": 2, "seqLen": 64, "steps": 100},

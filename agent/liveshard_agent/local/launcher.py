@@ -537,8 +537,7 @@ class Driver:
         )  # fmt: skip
         if proposal is None:
             return
-        degrees = Degrees(layout.dp, layout.tp, len(proposal.pp_layers), layout.ep, layout.zero,
-                          proposal.pp_layers)  # fmt: skip
+        degrees = layout.degrees.repartitioned(proposal.pp_layers)
         new = self._placed(degrees)
         released = [m for m in layout.members if m not in new.ranks]  # stand by after it
         self._request(new, record.step + 1, {
@@ -562,7 +561,7 @@ class Driver:
         """The dry run's pause over local links, at least the longest pause measured so far."""
         assert self.layout is not None
         old = self.layout
-        degrees = Degrees(old.dp, old.tp, len(pp_layers), old.ep, old.zero, pp_layers)
+        degrees = old.degrees.repartitioned(pp_layers)
         new = degrees.layout(self.spec, [str(i) for i in range(degrees.world_size)])
         old = dataclasses.replace(old, members=tuple(str(i) for i in range(old.world_size)))
         predicted = predicted_pause(self.spec, old, new, self.job.budget, LOCAL_BANDWIDTH)

@@ -61,6 +61,7 @@ def layout(message: pb.Layout, job: Job, name: str) -> Layout:
         result = Layout.create(
             job.spec, list(message.members), dp=message.dp, tp=message.tp, pp=message.pp,
             ep=message.ep, zero=message.zero, pp_layers=tuple(message.pp_layers) or None,
+            mirror=message.mirror,
         )  # fmt: skip
     except InvalidInput as err:
         raise InvalidInput(f"{name}: {str(err).removeprefix('layout: ')}") from None

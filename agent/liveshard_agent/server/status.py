@@ -227,7 +227,7 @@ class Snapshot:
 def layout_to_proto(layout: Layout) -> pb.Layout:
     return pb.Layout(
         dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep, zero=layout.zero,
-        pp_layers=list(layout.pp_layers), members=list(layout.members),
+        pp_layers=list(layout.pp_layers), members=list(layout.members), mirror=layout.mirror,
     )  # fmt: skip
 
 

@@ -22,7 +22,7 @@ import yaml
 
 from ..assign.assign import Problem
 from ..errors import InvalidInput
-from ..layout.layout import Degrees, Layout, parse_degrees
+from ..layout.layout import Layout, parse_degrees
 from ..members import old_members
 from ..policy.model import state_bytes_per_layer
 from ..policy.pipeline import LayerCosts, balance, evaluate, pack
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         after, seconds = timed(pack, costs, old.pp_layers, args.tolerance, cap)
     else:
         after, seconds = timed(balance, costs, old.pp, cap, old.pp_layers)
-    new = Degrees(old.dp, old.tp, len(after.pp_layers), old.ep, old.zero, after.pp_layers)
+    new = old.degrees.repartitioned(after.pp_layers)
     new.layout(spec, old_members(new.world_size))  # checks the new layout is feasible
     survivors = list(range(old.world_size))
     assignment = Problem(spec, old, new).best(survivors, 0)

@@ -178,6 +178,10 @@ class Degrees:
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
 
+    def repartitioned(self, pp_layers: tuple[int, ...]) -> Degrees:
+        """These degrees with the pipeline partition `pp_layers` (and as many stages)."""
+        return replace(self, pp=len(pp_layers), pp_layers=tuple(pp_layers))
+
     def mirrored(self, wanted: bool) -> Degrees:
         """These degrees with ZeRO shards mirrored when `wanted` and they can be."""
         return replace(self, mirror=wanted and Layout.can_mirror(self.dp, self.zero))

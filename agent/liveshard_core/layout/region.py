@@ -2,10 +2,11 @@
 
 PP picks which tensors a rank holds at all; TP (and EP for experts) cuts boxes along a dimension;
 DP replicates; ZeRO shards the rank's TP-local rows along dim 0 across its dp group (the expert-dp
-group for experts), `torch.chunk` style. A mirrored layout (`Layout.mirror`) has each ZeRO shard
-held also by the next member of its group (shard z by group members z and z + 1, round), so a
-rank holds two cells of a sharded tensor: its own shard and its predecessor's. A fused dimension is split part by part, and a ZeRO shard
-of a fused dim-0 tensor is a contiguous run of the local concatenation, so it may be two boxes.
+group for experts), `torch.chunk` style. A fused dimension is split part by part, and a ZeRO
+shard of a fused dim-0 tensor is a contiguous run of the local concatenation, so it may be two
+boxes. A mirrored layout (`Layout.mirror`) has each ZeRO shard held also by the next member of
+its group (shard z by group members z and z + 1, round), so a rank holds two cells of a sharded
+tensor: its own shard and its predecessor's.
 
 Everything a tensor's boxes depend on is its `Placed` value; tensors with equal `Placed` values
 under a layout have equal regions, which is what lets plans be computed once per class of tensors.

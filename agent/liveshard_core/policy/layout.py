@@ -42,6 +42,7 @@ class Constraints:
     pp_max: int | None = None
     ep: int | None = None
     zero: int = 1
+    mirror: bool = False  # mirror ZeRO shards (`Layout.mirror`) wherever a layout can
     global_batch: int | None = None  # sequences per step; None: 8 micro-batches per member
     micro_batch: int = 1
     seq_len: int = 4096
@@ -175,7 +176,7 @@ def _layout(spec: ModelSpec, degrees: Degrees) -> Layout:
     members = tuple(str(i) for i in range(degrees.world_size))
     return Layout(
         degrees.dp, degrees.tp, degrees.pp, degrees.ep, degrees.zero, degrees.pp_layers or (),
-        members,
+        members, degrees.mirror,
     )  # fmt: skip
 
 
@@ -206,7 +207,7 @@ def _candidates(spec: ModelSpec, members: int, c: Constraints) -> list[Degrees]:
                 dps = dps or [most]  # rejected below, naming the batch
             for dp in dps:
                 for ep in eps:
-                    out.append(Degrees(dp, tp, pp, ep, c.zero, pp_layers))
+                    out.append(Degrees(dp, tp, pp, ep, c.zero, pp_layers).mirrored(c.mirror))
     return out
 
 

@@ -163,10 +163,11 @@ def estimate(
         dense = load.params - load.expert_params
         shard3 = dense / dp + load.expert_params / (dp // ep) if layout.zero >= 3 else load.params
         shard1 = dense / dp + load.expert_params / (dp // ep) if layout.zero >= 1 else load.params
+        mirror = 2 if layout.mirror else 1  # a mirrored layout holds its predecessor's shard too
         parts = {
-            "params": int(param_bytes * shard3),
+            "params": int(param_bytes * shard3 * (mirror if layout.zero >= 3 else 1)),
             "grads": int(param_bytes * shard3),
-            "optimizer": int(optimizer_bytes * shard1),
+            "optimizer": int(optimizer_bytes * shard1 * mirror),
             "activations": int(
                 load.layers * token_layer * min(pp - s, max(m, 1))
                 + (4 * work.seq_len * work.micro_batch * cfg.vocab / tp if s == pp - 1 else 0)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Layout(_message.Message):
-    __slots__ = ("dp", "tp", "pp", "ep", "zero", "pp_layers", "members")
+    __slots__ = ("dp", "tp", "pp", "ep", "zero", "pp_layers", "members", "mirror")
     DP_FIELD_NUMBER: _ClassVar[int]
     TP_FIELD_NUMBER: _ClassVar[int]
     PP_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class Layout(_message.Message):
     ZERO_FIELD_NUMBER: _ClassVar[int]
     PP_LAYERS_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    MIRROR_FIELD_NUMBER: _ClassVar[int]
     dp: int
     tp: int
     pp: int
@@ -23,7 +24,8 @@ class Layout(_message.Message):
     zero: int
     pp_layers: _containers.RepeatedScalarFieldContainer[int]
     members: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, dp: _Optional[int] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., ep: _Optional[int] = ..., zero: _Optional[int] = ..., pp_layers: _Optional[_Iterable[int]] = ..., members: _Optional[_Iterable[str]] = ...) -> None: ...
+    mirror: bool
+    def __init__(self, dp: _Optional[int] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., ep: _Optional[int] = ..., zero: _Optional[int] = ..., pp_layers: _Optional[_Iterable[int]] = ..., members: _Optional[_Iterable[str]] = ..., mirror: _Optional[bool] = ...) -> None: ...
 
 class StoreAddress(_message.Message):
     __slots__ = ("host", "port")
