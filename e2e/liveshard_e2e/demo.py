@@ -124,11 +124,10 @@ def run(keep: bool, timeline: Path | None = None) -> None:
         narrator = Narrator(kube)
         narrator.thread.start()
         narrator.say(
-            "kubectl apply -f examples/tiny-job.yaml  (4 workers; parallelism.zero set "
-            "to 0: every replica holds the whole state, so a dead worker's is in memory)"
+            "kubectl apply -f examples/tiny-job.yaml  (4 workers, ZeRO-1, each shard mirrored "
+            "on the next worker: a dead worker's state is still in the others' memory)"
         )
         body = yaml.safe_load((ROOT / "examples" / "tiny-job.yaml").read_text())
-        body["spec"]["parallelism"]["zero"] = 0
         # Where a suspended job keeps its state (the workers are local processes here).
         body["spec"]["checkpoint"] = {"path": str(cluster.run_dir("demo") / "checkpoints")}
         kube.apply(body)

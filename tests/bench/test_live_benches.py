@@ -1,7 +1,7 @@
 """The benchmarks' quick runs end to end (`bench/reshard.py`, `training.py`, `control.py`,
-`moe.py`, each `--quick`): the first two fail on a switch that does not commit or lands a wrong
-byte; here their reports are checked for shape and for what must hold whatever the machine (no
-timing asserted)."""
+`moe.py`, `snapshots.py`, each `--quick`): the first two fail on a switch that does not commit or
+lands a wrong byte; here their reports are checked for shape and for what must hold whatever the
+machine (no timing asserted)."""
 
 from __future__ import annotations
 
@@ -94,3 +94,21 @@ def test_moe_benchmark_quick(tmp_path: Path) -> None:
     assert (row["experts"], row["top_k"], row["steps"]) == (8, 2, 4)
     assert row["step_seconds"] > 0 and row["tokens_per_second"] > 0
     assert math.isfinite(row["last_loss"])
+
+
+def test_snapshots_benchmark_quick(tmp_path: Path) -> None:
+    # The mirror's costs and a death each way: in memory from the mirrors at the step that broke,
+    # against a restart from the checkpoint of step 10 (every 5 steps, the kill at 12).
+    report = run_bench("snapshots.py", tmp_path / "snapshots.json")
+    held = report["member_state_bytes"]
+    assert held["held once"] < held["mirrored"] < 2 * held["held once"]
+    assert all(v > 0 for v in report["step_seconds"]["runs"]["dp=4,zero=1,mirror=1"])
+    update = report["optimizer_update_seconds"]
+    assert update["held once"] > 0 and update["mirrored"] > 0
+    mirrored, restarted = report["member_killed"].values()
+    assert (mirrored["recovery"], mirrored["resumed_at_step"]) == ("in memory", 12)
+    assert mirrored["steps_trained_again"] == 0 and mirrored["recovery_switch_seconds"]["pause"] > 0
+    assert (restarted["recovery"], restarted["resumed_at_step"]) == ("checkpoint restore", 10)
+    assert restarted["steps_trained_again"] == 2
+    # From step 12 on, both jobs train the same steps on the same state.
+    assert mirrored["losses_after"][0] == restarted["losses_after"][2]

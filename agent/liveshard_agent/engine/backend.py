@@ -3,7 +3,8 @@
 Everything else imports public names from `torch.distributed`. Here live:
 - group construction straight from a store (gloo for CPU, NCCL for CUDA, with NCCL's options);
 - coalescing a round of point-to-point operations into one NCCL group call;
-- copying many small tensors in one call (`copy_all`, torch's multi-tensor `_foreach_copy_`);
+- copying many small tensors in one call (`copy_all`, torch's multi-tensor `_foreach_copy_`), and
+  AdamW on many shards in one call per operation (`adamw_all`);
 - ShardedTensors with explicit global metadata, which `torch.distributed.checkpoint` needs to save
   and load arbitrary boxes (the public constructor all-gathers metadata and rejects replicas).
 As TorchFT's `process_group.py` does, each backend's private calls stay inside one function, so a
@@ -12,6 +13,7 @@ torch upgrade that moves them breaks here and nowhere else.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Protocol, cast
 
@@ -92,6 +94,47 @@ def copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     one dispatch instead of one each."""
     if targets:
         torch._foreach_copy_(targets, sources)
+
+
+@dataclass(frozen=True)
+class AdamStep:
+    """The scalars of one AdamW update."""
+
+    scale: float  # the gradients' clipping factor
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    adam_step: int  # the update's number (1 for the first), for the bias corrections
+
+
+def adamw_all(
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    values: list[torch.Tensor],
+    decayed: list[torch.Tensor],
+    step: AdamStep,
+) -> None:
+    """AdamW on every `values[i]` with `grads[i]` and its moments, decaying the `decayed`
+    ones (some of `values`), each operation on all tensors in one call (torch's multi-tensor
+    `_foreach_*`): per element the same arithmetic as one tensor at a time."""
+    if not grads:
+        return
+    bias1 = 1 - step.beta1**step.adam_step
+    bias2 = 1 - step.beta2**step.adam_step
+    g = torch._foreach_mul(grads, step.scale)
+    torch._foreach_mul_(exp_avgs, step.beta1)
+    torch._foreach_add_(exp_avgs, g, alpha=1 - step.beta1)
+    torch._foreach_mul_(exp_avg_sqs, step.beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, g, g, value=1 - step.beta2)
+    denom = torch._foreach_div(exp_avg_sqs, bias2)
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, step.eps)
+    if decayed and step.weight_decay:
+        torch._foreach_mul_(decayed, 1 - step.lr * step.weight_decay)
+    torch._foreach_addcdiv_(values, exp_avgs, denom, value=-step.lr / bias1)
 
 
 def sharded_tensor(

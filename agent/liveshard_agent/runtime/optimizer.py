@@ -31,7 +31,7 @@ import torch
 from liveshard_core.job import TrainingSettings
 from liveshard_core.vps.spec import StateKind
 
-from ..engine.backend import Group
+from ..engine.backend import AdamStep, Group, adamw_all, copy_all
 from ..engine.world import Axis
 from . import comm
 from .weights import Weight, Weights, box_view
@@ -119,9 +119,8 @@ class Optimizer:
         self.updating = True
         scale = min(1.0, self.settings.clip_norm / (norm + 1e-6))
         lr = self.settings.learning_rate(step)
-        for w in self.weights.all():
-            if not self.settings.frozen(step, w.param):  # a frozen weight keeps its state
-                self._adam(w, grads[w.name], scale, lr, adam_step)
+        trained = [w for w in self.weights.all() if not self.settings.frozen(step, w.param)]
+        self.adam(trained, grads, scale, lr, adam_step)  # a frozen weight keeps its state
         if self.weights.layout.zero in (1, 2):
             self.weights.sync_from_shards()
         self.updating = False
@@ -140,29 +139,38 @@ class Optimizer:
                     squares += box_view(w.boxes, grads[w.name], shard).double().square().sum()
         return torch.cat([squares, torch.tensor(totals, dtype=torch.float64, device=device)])
 
-    def _adam(
-        self, w: Weight, grads: list[torch.Tensor], scale: float, lr: float, adam_step: int
-    ) -> None:
+    def adam(
+        self, weights: list[Weight], grads: dict[str, list[torch.Tensor]], scale: float,
+        lr: float, adam_step: int,
+    ) -> None:  # fmt: skip
+        """AdamW on every shard of `weights` (a mirrored layout's predecessor's shards too), each
+        operation on all of them at once (`backend.adamw_all`): per element the same arithmetic
+        as one shard at a time, so the two copies of a mirrored shard stay equal bit for bit."""
         s, state, spec = self.settings, self.weights.state, self.weights.spec
-        bias1 = 1 - s.beta1**adam_step
-        bias2 = 1 - s.beta2**adam_step
-        decay = s.weight_decay if len(w.param.shape) >= 2 else 0.0
-        for shard in w.shards:
-            grad = box_view(w.boxes, grads, shard) * scale
-            exp_avg = state.view(spec.ref(w.name, StateKind.EXP_AVG), shard)
-            exp_avg_sq = state.view(spec.ref(w.name, StateKind.EXP_AVG_SQ), shard)
-            exp_avg.mul_(s.beta1).add_(grad, alpha=1 - s.beta1)
-            exp_avg_sq.mul_(s.beta2).addcmul_(grad, grad, value=1 - s.beta2)
-            denom = (exp_avg_sq / bias2).sqrt_().add_(s.eps)
-            param = self.weights.param_view(w, shard)
-            value = (
-                state.view(spec.ref(w.name, StateKind.MASTER), shard) if self.has_master else param
-            )
-            if decay:
-                value.mul_(1 - lr * decay)
-            value.addcdiv_(exp_avg, denom, value=-lr / bias1)
-            if self.has_master:
-                param.copy_(value)
+        g: list[torch.Tensor] = []
+        m: list[torch.Tensor] = []
+        v: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        params: list[torch.Tensor] = []
+        decayed: list[torch.Tensor] = []
+        for w in weights:
+            for shard in w.shards:
+                g.append(box_view(w.boxes, grads[w.name], shard))
+                m.append(state.view(spec.ref(w.name, StateKind.EXP_AVG), shard))
+                v.append(state.view(spec.ref(w.name, StateKind.EXP_AVG_SQ), shard))
+                param = self.weights.param_view(w, shard)
+                value = (
+                    state.view(spec.ref(w.name, StateKind.MASTER), shard)
+                    if self.has_master else param
+                )  # fmt: skip
+                values.append(value)
+                params.append(param)
+                if len(w.param.shape) >= 2:
+                    decayed.append(value)
+        step = AdamStep(scale, lr, s.beta1, s.beta2, s.eps, s.weight_decay, adam_step)
+        adamw_all(g, m, v, values, decayed, step)
+        if self.has_master:
+            copy_all(params, values)
 
 
 def _sum_grads(w: Weight, group: Group) -> None:
