@@ -15,6 +15,7 @@ they buy, on local jobs of 4 processes (`liveshard-local`, gloo on CPU):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -34,6 +35,7 @@ from liveshard_core.job import TrainingSettings
 from liveshard_core.layout.layout import Layout, parse_degrees
 from liveshard_core.vps.box import volume
 from liveshard_core.vps.presets import resolve_model
+from liveshard_core.vps.spec import DType, ModelSpec
 
 MODEL = "qwen3-tiny"
 LAYOUT = "dp=4,zero=1"
@@ -64,8 +66,14 @@ def median_step(layout: str, steps: int) -> float:
     return statistics.median(r["step_seconds"] for r in records[FIRST:])
 
 
+def model() -> ModelSpec:
+    """The model as the local job's members build it on CPU: fp32, without a master copy."""
+    config = resolve_model(MODEL).config
+    return ModelSpec.from_config(dataclasses.replace(config, param_dtype=DType.FP32))
+
+
 def placed(layout: str) -> Layout:
-    return parse_degrees(layout).layout(resolve_model(MODEL), [str(i) for i in range(4)])
+    return parse_degrees(layout).layout(model(), [str(i) for i in range(4)])
 
 
 @torch.no_grad()
@@ -73,7 +81,7 @@ def update_seconds(layout: str, repeat: int = 20) -> float:
     """The fastest of `repeat` AdamW updates of rank 1's shards (its mirror's too) from given
     gradients, in this process (no collective), on one torch thread as each member here."""
     torch.set_num_threads(1)
-    state = initial_state(resolve_model(MODEL), placed(layout), 1, 0, torch.device("cpu"))
+    state = initial_state(model(), placed(layout), 1, 0, torch.device("cpu"))
     weights = Weights.build(state, world=None)  # type: ignore[arg-type]  # no collective here
     optimizer = Optimizer(weights, TrainingSettings())
     grads = {w.name: [torch.randn_like(t) for t in w.tensors] for w in weights.all()}
@@ -87,7 +95,7 @@ def update_seconds(layout: str, repeat: int = 20) -> float:
 
 def member_bytes(layout: str) -> int:
     """The state bytes of the member that holds the most."""
-    spec = resolve_model(MODEL)
+    spec = model()
     placed_ = placed(layout)
     return max(
         sum(volume(b) * spec.dtype(ref.kind).itemsize for ref, boxes in
