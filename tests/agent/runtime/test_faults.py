@@ -61,6 +61,25 @@ def test_a_member_killed_inside_a_switch_is_recovered_from_without_a_split(phase
     assert_same_training("tiny", events)
 
 
+@pytest.mark.parametrize("phase", ["vote", "commit"])
+def test_a_member_killed_inside_a_switch_of_mirrored_zero_layouts_is_recovered_in_memory(
+    phase: str,
+) -> None:
+    # Mirrored ZeRO-1 with tp to mirrored ZeRO-3 with pp: every shard, old and new, has two
+    # holders, so the dead member's state is in memory on either side of the decision.
+    old, new = "dp=2,tp=2,pp=1,ep=1,zero=1", "dp=2,tp=1,pp=2,ep=1,zero=3"
+    scripted = "10:pp=2,dp=2,zero=3,mirror=1"
+    kill = parse_kill(f"10:1:{phase}")
+    events = run_job(job("tiny", "tp=2,dp=2,zero=1,mirror=1", scripted, kills=(kill,)))
+    (recovery,) = [e for e in switches(events) if e["lost"]]
+    assert recovery["result"] == "committed", recovery
+    assert recovery["to"].endswith(",mirror=1")
+    assert short(recovery["from"]) == short(recovery["to"]) == (new if phase == "commit" else old)
+    assert layouts(events)[-1] == new
+    assert not [e for e in events if e["event"] == "restored"]
+    assert_same_training("tiny", events)
+
+
 @pytest.mark.parametrize("late", [1.0, -1.0], ids=["commit recorded first", "abort first"])
 def test_a_vote_that_completes_at_some_members_only_never_splits(late: float) -> None:
     # w1's all-reduce "fails" while the others' completes with every vote yes: the first view

@@ -59,7 +59,6 @@ SCENARIOS = {
     "two members die at once": ("tiny", "dp=4", ("10:0", "10:3"), ()),
     "ep, experts from their other replica": ("tiny-moe", "dp=4,ep=2", ("5:2",), ("12:dp=4",)),
     # Mirrored ZeRO shards (`Layout.mirror`): a dead member's shard from the next of its group.
-    "ZeRO-1 mirrored, a member dies": ("tiny", "dp=2,zero=1,mirror=1", ("6:1",), ()),
     "ZeRO-3 and tp mirrored, then a switch": ("tiny", "tp=2,dp=2,zero=3,mirror=1", ("6:0",),
                                               ("12:dp=4,zero=1,mirror=1",)),
     "ZeRO-1 and pp mirrored": ("tiny", "pp=2,dp=2,zero=1,mirror=1", ("6:2",), ()),
