@@ -128,8 +128,13 @@ def run(keep: bool, timeline: Path | None = None) -> None:
             "on the next worker: a dead worker's state is still in the others' memory)"
         )
         body = yaml.safe_load((ROOT / "examples" / "tiny-job.yaml").read_text())
-        # Where a suspended job keeps its state (the workers are local processes here).
-        body["spec"]["checkpoint"] = {"path": str(cluster.run_dir("demo") / "checkpoints")}
+        # Where a suspended job keeps its state (the workers are local processes here), and
+        # periodic checkpoints: a worker killed inside ZeRO-1's parameter sync is restored from
+        # the last one (elsewhere in a step it is recovered in memory).
+        body["spec"]["checkpoint"] = {
+            "path": str(cluster.run_dir("demo") / "checkpoints"),
+            "everySteps": 50,
+        }
         kube.apply(body)
         narrator.wait(_running(4), "the job training with 4 members", STARTUP)
         epoch = narrator.status()["epoch"]

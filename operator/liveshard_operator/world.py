@@ -43,7 +43,8 @@ class World:
         return {
             "epoch": self.epoch, "dp": d.dp, "tp": d.tp, "pp": d.pp, "ep": d.ep, "zero": d.zero,
             "ppLayers": list(d.pp_layers or ()), "members": list(self.members),
-            **({"mirror": True} if d.mirror else {}),
+            # Always written: the status is merge-patched, so a key left out keeps its old value.
+            "mirror": d.mirror,
         }  # fmt: skip
 
     @classmethod

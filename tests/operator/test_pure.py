@@ -188,7 +188,9 @@ def test_snapshots_mirror_zero_shards_wherever_a_layout_can() -> None:
     assert World.from_dict(world.to_dict()) == world and world.to_dict()["mirror"] is True
     assert to_proto(world.layout(model)).mirror
     held_once = policy.choose(model, off, 4).degrees.layout(model, ["a", "b", "c", "d"])
-    assert "mirror" not in World.of(3, held_once).to_dict() and not to_proto(held_once).mirror
+    # Written as false, not left out: the status is merge-patched, and a world that stops being
+    # mirrored (a drain to dp=1) must not keep the last one's true.
+    assert World.of(3, held_once).to_dict()["mirror"] is False and not to_proto(held_once).mirror
     with pytest.raises(InvalidInput, match=r"spec.faultTolerance.snapshots='yes' must be true"):
         JobSpec.parse({**body, "faultTolerance": {"snapshots": "yes"}})
 

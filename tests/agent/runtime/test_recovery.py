@@ -61,7 +61,6 @@ SCENARIOS = {
     # Mirrored ZeRO shards (`Layout.mirror`): a dead member's shard from the next of its group.
     "ZeRO-3 and tp mirrored, then a switch": ("tiny", "tp=2,dp=2,zero=3,mirror=1", ("6:0",),
                                               ("12:dp=4,zero=1,mirror=1",)),
-    "ZeRO-1 and pp mirrored": ("tiny", "pp=2,dp=2,zero=1,mirror=1", ("6:2",), ()),
     "two members die, each shard keeps a holder": ("tiny", "dp=4,zero=1,mirror=1",
                                                    ("6:0", "6:2"), ()),
     "expert shards mirrored in their expert-dp group": ("tiny-moe", "dp=4,ep=2,zero=1,mirror=1",
