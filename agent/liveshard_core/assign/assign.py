@@ -59,11 +59,8 @@ class Assignment:
 def _placeholder(shape: Layout | Degrees, spec: ModelSpec) -> Layout:
     """A layout of `shape`'s degrees with members named by rank: overlaps depend on coordinates
     only."""
-    return Layout.create(
-        spec, [str(i) for i in range(shape.world_size)], dp=shape.dp, tp=shape.tp,
-        pp=shape.pp, ep=shape.ep, zero=shape.zero, pp_layers=shape.pp_layers,
-        mirror=shape.mirror,
-    )  # fmt: skip
+    degrees = shape.degrees if isinstance(shape, Layout) else shape
+    return degrees.layout(spec, [str(i) for i in range(shape.world_size)])
 
 
 def _check(old_size: int, new_size: int, survivors: Sequence[int], joiners: int) -> None:
