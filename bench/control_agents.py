@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
@@ -58,6 +59,9 @@ class _Trainer:
 
     layout: Layout
     scalars: Scalars
+
+    def held_bytes(self) -> tuple[int, int]:
+        return 0, 0  # it holds no state
 
 
 @dataclass
@@ -139,7 +143,7 @@ class SimMember(Member):
 
     # ---- training ----
 
-    def train_step(self) -> StepRecord:
+    def train_step(self, stepped: Callable[[StepRecord], None] | None = None) -> StepRecord:
         trainer = self.trainer
         assert trainer is not None
         step = trainer.scalars.step
@@ -148,8 +152,11 @@ class SimMember(Member):
         trainer.scalars = trainer.scalars.advanced(self.settings.global_batch)
         self.last_loss = 1.0
         seconds = time.perf_counter() - start
-        return StepRecord(step=step, loss=1.0, aux_loss=0.0, grad_norm=0.0, lr=0.0,
-                          seconds=seconds, samples=(), agreement=())  # fmt: skip
+        record = StepRecord(step=step, loss=1.0, aux_loss=0.0, grad_norm=0.0, lr=0.0,
+                            seconds=seconds, samples=(), agreement=())  # fmt: skip
+        if stepped is not None:
+            stepped(record)
+        return record
 
     def at_boundary(self) -> list[Switched]:
         """Switch when every member of the pending change is prepared: at the step recorded

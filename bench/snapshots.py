@@ -7,7 +7,8 @@ they buy, on local jobs of 4 processes (`liveshard-local`, gloo on CPU):
   what the mirror adds to it directly: one member's optimizer update, timed alone;
 - a member killed without notice: from its death to the next step trained, recovered in memory
   from the mirrors, against the same job without them restarting from its last checkpoint (saved
-  every `CHECKPOINT_EVERY` steps), and the steps each trains again.
+  every `CHECKPOINT_EVERY` steps), and the steps each trains again; and killed after its update,
+  before ZeRO-1 shares it (in memory too, the step kept).
 
     python bench/snapshots.py [--quick] [--out bench/results/snapshots.json]
 """
@@ -104,10 +105,11 @@ def member_bytes(layout: str) -> int:
     )  # fmt: skip
 
 
-def death(layout: str, steps: int, *extra: str) -> dict[str, Any]:
-    """Kill rank 1 as it begins `KILL_STEP`: the seconds from its death (the launcher's `lost`
-    line) to the next step trained, and the steps trained again."""
-    lines = launch(layout, steps, "--kill", f"{KILL_STEP}:1", *extra)
+def death(layout: str, steps: int, *extra: str, phase: str = "step") -> dict[str, Any]:
+    """Kill rank 1 at `phase` of `KILL_STEP` (as it begins; `update`: after its update, before
+    ZeRO-1 shares it): the seconds from its death (the launcher's `lost` line) to the next step
+    trained, the recovery's bytes, and the steps trained again."""
+    lines = launch(layout, steps, "--kill", f"{KILL_STEP}:1:{phase}", *extra)
     lost = next(t for t, r in lines if r["event"] == "lost")
     after = [(t, r) for t, r in lines if t > lost and r["event"] == "step"]
     resumed, first = after[0]
@@ -119,6 +121,7 @@ def death(layout: str, steps: int, *extra: str) -> dict[str, Any]:
         "death_to_next_step_seconds": round(resumed - lost, 3),
         "recovery": "checkpoint restore" if restored else "in memory",
         "recovery_switch_seconds": switch.get("switch_seconds"),
+        "recovery_network_bytes": switch.get("network_bytes"),
         "resumed_at_step": first["step"],
         "steps_trained_again": len(trained) - len(set(trained)),
         "losses_after": [round(r["loss"], 6) for _, r in after[:3]],
@@ -153,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         "optimizer_update_seconds": {"held once": round(update_seconds(LAYOUT), 5),
                                      "mirrored": round(update_seconds(mirrored), 5)},
         "member_killed": {"mirrored": death(mirrored, end),
+                          "mirrored, after its update, before sharing it":
+                              death(mirrored, end, phase="update"),
                           f"held once, checkpoint every {CHECKPOINT_EVERY} steps": restart},
     }  # fmt: skip
     write_json(args.out, out)

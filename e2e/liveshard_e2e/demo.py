@@ -129,8 +129,7 @@ def run(keep: bool, timeline: Path | None = None) -> None:
         )
         body = yaml.safe_load((ROOT / "examples" / "tiny-job.yaml").read_text())
         # Where a suspended job keeps its state (the workers are local processes here), and
-        # periodic checkpoints: a worker killed inside ZeRO-1's parameter sync is restored from
-        # the last one (elsewhere in a step it is recovered in memory).
+        # periodic checkpoints.
         body["spec"]["checkpoint"] = {
             "path": str(cluster.run_dir("demo") / "checkpoints"),
             "everySteps": 50,

@@ -88,6 +88,17 @@ class Report:
     missing: Missing | None = None
 
 
+def _state_bytes(agents: list[pb.AgentStatus | None]) -> dict[str, int] | None:
+    """The most training state a member of the world holds, and of it the most a mirrored
+    layout's copies of ZeRO shards add (`faultTolerance.snapshots`); None (removed) when no
+    member trains."""
+    held = [a for a in agents if a is not None and a.state_bytes]
+    if not held:
+        return None
+    return {"perMember": max(int(a.state_bytes) for a in held),
+            "mirroredPerMember": max(int(a.mirrored_bytes) for a in held)}  # fmt: skip
+
+
 def status(
     job: Job, seen: Observation, record: Record, report: Report, now: float
 ) -> dict[str, Any]:
@@ -111,6 +122,7 @@ def status(
                 if progress is not None:
                     out["progress"] = progress
         out.update(epoch=world.epoch, layout=world.describe(), members=list(world.members))
+    out["stateBytes"] = _state_bytes([pods[m].agent for m in training])
     out["readyReplicas"] = len(training)
     out["spares"] = list(report.spares)
     if report.last is not None:

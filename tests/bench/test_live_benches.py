@@ -97,18 +97,25 @@ def test_moe_benchmark_quick(tmp_path: Path) -> None:
 
 
 def test_snapshots_benchmark_quick(tmp_path: Path) -> None:
-    # The mirror's costs and a death each way: in memory from the mirrors at the step that broke,
-    # against a restart from the checkpoint of step 10 (every 5 steps, the kill at 12).
+    # The mirror's costs and a death each way: in memory from the mirrors at the step that broke
+    # (or after it, killed after its update), against a restart from the checkpoint of step 10
+    # (every 5 steps, the kill at 12).
     report = run_bench("snapshots.py", tmp_path / "snapshots.json")
     held = report["member_state_bytes"]
     assert held["held once"] < held["mirrored"] < 2 * held["held once"]
     assert all(v > 0 for v in report["step_seconds"]["runs"]["dp=4,zero=1,mirror=1"])
     update = report["optimizer_update_seconds"]
     assert update["held once"] > 0 and update["mirrored"] > 0
-    mirrored, restarted = report["member_killed"].values()
+    mirrored, unshared, restarted = report["member_killed"].values()
     assert (mirrored["recovery"], mirrored["resumed_at_step"]) == ("in memory", 12)
+    # Killed after step 12's update: the step stands. A recovery from ZeRO-1 reads parameters
+    # from their shard's holders wherever the member died: the same bytes either way.
+    assert (unshared["recovery"], unshared["resumed_at_step"]) == ("in memory", 13)
+    assert unshared["steps_trained_again"] == 0
+    assert unshared["recovery_network_bytes"] == mirrored["recovery_network_bytes"] > 0
     assert mirrored["steps_trained_again"] == 0 and mirrored["recovery_switch_seconds"]["pause"] > 0
     assert (restarted["recovery"], restarted["resumed_at_step"]) == ("checkpoint restore", 10)
     assert restarted["steps_trained_again"] == 2
     # From step 12 on, both jobs train the same steps on the same state.
     assert mirrored["losses_after"][0] == restarted["losses_after"][2]
+    assert unshared["losses_after"][0] == mirrored["losses_after"][1]

@@ -461,11 +461,12 @@ def test_gang_scheduled_volcano_workers_form_a_volcano_pod_group(operator: Kube)
 
 def test_a_worker_killed_without_notice_is_recovered_in_memory(operator: Kube) -> None:
     kube = operator
-    # ZeRO-3, its shards mirrored (snapshots, the default): the dead member's shards are also
-    # held by the next member. (ZeRO-3, not the example's ZeRO-1: a death that lands inside
-    # ZeRO-1's parameter sync, after the update, leaves no common state; see docs/faults.md.)
-    steps, start = started(kube, 3, parallelism={"zero": 3})
+    # The example's ZeRO-1, its shards mirrored (snapshots, the default): the dead member's
+    # shards are also held by the next member, wherever in a step it dies.
+    steps, start = started(kube, 3, parallelism={"zero": 1})
     assert start["layout"].endswith(",mirror=1"), start["layout"]
+    held = start["stateBytes"]  # what the mirror costs: one more shard's optimizer state
+    assert 0 < held["mirroredPerMember"] < held["perMember"], held
     victim = start["members"][1]
     before = members(kube)
     kube.kubectl("delete", "pod", victim, "--grace-period=0", "--force")

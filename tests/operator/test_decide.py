@@ -716,6 +716,18 @@ def test_a_commit_summarises_the_switch() -> None:
     assert condition(status, "Degraded")["reason"] == "AsPlanned"
 
 
+def test_the_status_shows_the_most_state_a_member_holds_and_what_its_mirror_costs() -> None:
+    case = CASES["in flight: every new member trains in its epoch, commit"]
+    assert decide(case.seen, case.record, case.job, NOW).status["stateBytes"] is None  # unknown
+    pods = []
+    for i, member in enumerate(case.seen.pods.values()):
+        agent = copy_of(member.agent)
+        agent.state_bytes, agent.mirrored_bytes = 1000 + i, 300 - i
+        pods.append(replace(member, agent=agent))
+    status = decide(seen(*pods), case.record, case.job, NOW).status
+    assert status["stateBytes"] == {"perMember": 1000 + len(pods) - 1, "mirroredPerMember": 300}
+
+
 def test_an_abort_degrades_the_job_and_says_why() -> None:
     case = CASES["in flight: an agent aborted, abort everywhere and back off"]
     decision = decide(case.seen, case.record, case.job, NOW)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -221,4 +221,14 @@ def state_bytes_of(spec: ModelSpec, layout: Layout, rank: int) -> int:
         volume(box) * spec.dtype(ref.kind).itemsize
         for ref, boxes in region_boxes(spec, layout, rank).items()
         for box in boxes
+    )
+
+
+def mirrored_bytes_of(spec: ModelSpec, layout: Layout, rank: int) -> int:
+    """Of the bytes a rank holds under `layout`, those of its predecessor's ZeRO shards (a
+    mirrored layout's copies, `Layout.mirror`; 0 without)."""
+    if not layout.mirror:
+        return 0
+    return state_bytes_of(spec, layout, rank) - state_bytes_of(
+        spec, replace(layout, mirror=False), rank
     )

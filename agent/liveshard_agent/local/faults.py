@@ -5,6 +5,9 @@ The member at RANK of the layout in effect kills its own process (SIGKILL; `--ha
 SIGSTOP; `--stall`: its training sleeps one and a half op deadlines, past its peers' collective
 timeouts but within the silence the launcher allows) at PHASE:
 - `step` (the default): as it begins step STEP;
+- `update`: in step STEP, once its update is applied and its step reported, before ZeRO-1
+  shares the updated rows (the others' sharing then fails: their shards hold the step, their
+  other rows do not);
 - `prepare`, `transfer`, `vote`, `commit`: inside the switch scripted at step STEP (`--switch
   STEP:...`): as its prepare starts, as the transfer's first round starts, as it is about to cast
   its vote, or once the vote's all-reduce is done and before the decision is recorded (the
@@ -38,7 +41,7 @@ from ..engine.switch import SwitchHooks
 from ..runtime.change import Change
 from ..runtime.member import Member
 
-PHASES = ("step", "prepare", "transfer", "vote", "commit")
+PHASES = ("step", "update", "prepare", "transfer", "vote", "commit")
 
 
 class Fault(StrEnum):
@@ -77,8 +80,9 @@ def parse_kill(text: str, action: Fault = Fault.KILL) -> ScriptedKill:
 
 
 class Faults:
-    """A member process's scripted kills: `before_step` runs before each step, `hooks` go into
-    its switches; `seen` is told each change the member is asked to prepare."""
+    """A member process's scripted kills: `before_step` runs before each step, `after_update`
+    after each step's update, `hooks` go into its switches; `seen` is told each change the
+    member is asked to prepare."""
 
     def __init__(self, name: str, kills: tuple[ScriptedKill, ...]) -> None:
         self.name, self.kills = name, kills
@@ -92,6 +96,10 @@ class Faults:
     def before_step(self, member: Member) -> None:
         assert member.layout is not None
         self._hit("step", member.step, member.layout.rank_of(member.name))
+
+    def after_update(self, member: Member) -> None:
+        assert member.layout is not None
+        self._hit("update", member.step - 1, member.layout.rank_of(member.name))
 
     def hooks(self) -> SwitchHooks:
         def at(phase: str) -> Callable[..., None]:

@@ -611,7 +611,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="switch to LAYOUT at step STEP (repeatable)")  # fmt: skip
     parser.add_argument("--kill", action="append", default=[], metavar="STEP:RANK[:PHASE]",
                         help="the member at RANK kills its process at PHASE: step (the "
-                             "default: as it begins step STEP), or prepare, transfer, vote, "
+                             "default: as it begins step STEP), update (after step STEP's "
+                             "update, before ZeRO-1 shares it), or prepare, transfer, vote, "
                              "commit (inside the switch scripted at STEP); repeatable: the job "
                              "recovers from surviving copies")  # fmt: skip
     parser.add_argument("--hang", action="append", default=[], metavar="STEP:RANK[:PHASE]",

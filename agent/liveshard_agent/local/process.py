@@ -70,7 +70,11 @@ def member_main(name: str, index: int, job: LocalJob, conn: Connection) -> None:
         )  # fmt: skip
         faults.member = member
         run_member(
-            member, _PipeInbox(conn, faults), _reporter(job, conn), _before_step(job, faults)
+            member,
+            _PipeInbox(conn, faults),
+            _reporter(job, conn),
+            _before_step(job, faults),
+            faults.after_update,
         )
         wait_closed(30)  # groups closing in the background end before the process does
     except BaseException as err:

@@ -35,6 +35,7 @@ from ..engine.world import StoreAddress
 from .change import Change
 from .events import Broke, Finished, Refused, Report, Stepped, Switched
 from .member import Member, MemberState
+from .trainer import StepRecord
 
 _JOIN_POLL = 0.01  # seconds between looks for a switch's announcement while joining
 
@@ -135,12 +136,14 @@ def run_member(
     inbox: Inbox,
     report: Report,
     before_step: Callable[[Member], None] | None = None,
+    after_update: Callable[[Member], None] | None = None,
 ) -> None:
-    """Run `member` until a `Stop` command. Reports `Stepped` after every step it trains,
-    `Switched` and `Checkpointed` (or `CheckpointFailed`) as they happen, `Broke` when its world
-    breaks, `Finished` once when the job has trained its last step, and `Refused` for a refused
-    command. `before_step`
-    runs before each step (a periodic checkpoint requested there is agreed in that very step)."""
+    """Run `member` until a `Stop` command. Reports `Stepped` after every step it trains (once
+    its update is applied), `Switched` and `Checkpointed` (or `CheckpointFailed`) as they happen,
+    `Broke` when its world breaks, `Finished` once when the job has trained its last step, and
+    `Refused` for a refused command. `before_step` runs before each step (a periodic checkpoint
+    requested there is agreed in that very step), `after_update` after its `Stepped` (and
+    before ZeRO-1 shares the update: `Trainer.step`)."""
     stores = _Stores(member.deadlines.op)
     member.on_decided = report
     held: Command | None = None  # taken, waiting for its store while the member trains
@@ -162,7 +165,7 @@ def run_member(
             if before_step is not None:
                 before_step(member)
             try:
-                _train_step(member, report)
+                _train_step(member, report, after_update)
             except RuntimeError as err:  # torch's: a collective failed, the world is broken
                 breakage, dropped = member.break_world(err)
                 report(Broke(member.name, member.epoch, breakage))
@@ -199,11 +202,19 @@ def _store_lost(member: Member, error: RuntimeError) -> Switched | None:
     return member.drop(member.pending.change.epoch, reason, Cause.PEER_FAILED)
 
 
-def _train_step(member: Member, report: Report) -> None:
+def _train_step(
+    member: Member, report: Report, after_update: Callable[[Member], None] | None
+) -> None:
     layout, epoch = member.layout, member.epoch
     assert layout is not None
-    record = member.train_step()
-    report(Stepped(member.name, epoch, layout.describe(), member.speaks, record, layout.pp_layers))
+
+    def stepped(record: StepRecord) -> None:
+        report(Stepped(member.name, epoch, layout.describe(), member.speaks, record,
+                       layout.pp_layers))  # fmt: skip
+        if after_update is not None:
+            after_update(member)
+
+    member.train_step(stepped)
     for event in member.at_boundary():
         report(event)
 

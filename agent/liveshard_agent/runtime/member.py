@@ -233,11 +233,11 @@ class Member:
 
     # ---- training ----
 
-    def train_step(self) -> StepRecord:
+    def train_step(self, stepped: Callable[[StepRecord], None] | None = None) -> StepRecord:
         """Train one step; its last all-reduce also carries this member's readiness for the
-        pending change and checkpoint (see `at_boundary`)."""
+        pending change and checkpoint (see `at_boundary`). `stepped`: see `Trainer.step`."""
         assert self.trainer is not None, f"{self.name} is standing by"
-        record = self.trainer.step(self._readiness().to_vector())
+        record = self.trainer.step(self._readiness().to_vector(), stepped)
         self._agreement = Readiness.from_vector(record.agreement)
         self.last_loss = record.loss
         return record
@@ -606,6 +606,9 @@ class Member:
             )  # fmt: skip
         if trainer is not None:
             trainer.bind(result.state, result.world)
+            # A rebuild (every member's world broke, none lost) keeps each member's rows as
+            # they were, perhaps one step old; every member shares them again first.
+            trainer.reshare = change.old == change.new and not change.lost
         else:
             assert pending.announced is not None
             self._train(result.state, result.world, pending.announced)

@@ -13,12 +13,14 @@ A weight frozen at the step (`TrainingSettings.frozen`) got no gradient (zeros: 
 trained weights') and takes no update: its value, master and moments stay bit for bit.
 
 The global norm's all-reduce also carries the step's other sums (`totals`: the loss, the members'
-agreement), so it is the step's last collective before the state changes: a step that fails
-before it completes leaves the state as it was (`updating` stays False); one that fails after it
-(in ZeRO-1/2's parameter sync) leaves the state half-updated (`updating` stays True). A member
-whose all-reduce failed while others' completed (a peer died inside it) keeps its reduced
-gradients (`unfinished`), and can complete the same update alone (`finish`) with the values the
-others summed.
+agreement), so it is the update's last collective: a step that fails before it completes leaves
+the state as it was, and the update that follows it is local (`updating` is True only while it
+runs). A member whose all-reduce failed while others' completed (a peer died inside it) keeps its
+reduced gradients (`unfinished`), and can complete the same update alone (`finish`) with the
+values the others summed. ZeRO-1's sharing of the updated parameter rows (`share`) comes after
+the update: a world that breaks inside it leaves every shard's holders with the update and the
+other replicas' rows one step old, or new where its all-reduce completed; a recovery reads the
+parameters from their shard's holders (`plan.source_layout`), so the update stands.
 """
 
 from __future__ import annotations
@@ -64,15 +66,14 @@ class Optimizer:
 
     @property
     def can_finish(self) -> bool:
-        """Whether an update cut in its all-reduce can be completed alone (`finish`): no
-        collective follows the all-reduce (ZeRO-1/2 share the updated rows after it)."""
-        return self.unfinished is not None and self.weights.layout.zero not in (1, 2)
+        """Whether an update cut in its all-reduce can be completed alone (`finish`)."""
+        return self.unfinished is not None
 
     @torch.no_grad()
     def step(self, step: int, adam_step: int, totals: tuple[float, ...] = ()) -> UpdateStats:
         """Apply one update with learning rate `settings.learning_rate(step)`; `adam_step` is the
         number of this update (1 for the first), for Adam's bias correction. `totals` are summed
-        over the world in the global norm's all-reduce."""
+        over the world in the global norm's all-reduce. ZeRO-1 then `share`s the updated rows."""
         weights, world = self.weights, self.weights.world
         for w in weights.all():
             for t in w.tensors:
@@ -103,7 +104,8 @@ class Optimizer:
 
     def finish(self, summed: tuple[float, ...]) -> UpdateStats:
         """Complete the update cut in its all-reduce with the values the others summed (the
-        members that completed it publish them): the state becomes theirs, bit for bit."""
+        members that completed it publish them): the state becomes theirs, bit for bit (ZeRO-1:
+        in this member's shards; the recovery that follows shares the rest)."""
         unfinished = self.unfinished
         if unfinished is None or not self.can_finish:
             raise RuntimeError("no update to finish here")
@@ -121,10 +123,13 @@ class Optimizer:
         lr = self.settings.learning_rate(step)
         trained = [w for w in self.weights.all() if not self.settings.frozen(step, w.param)]
         self.adam(trained, grads, scale, lr, adam_step)  # a frozen weight keeps its state
-        if self.weights.layout.zero in (1, 2):
-            self.weights.sync_from_shards()
         self.updating = False
         return UpdateStats(norm, lr, summed[1:])
+
+    def share(self) -> None:
+        """ZeRO-1: every replica takes the updated parameter rows of the others' shards."""
+        if self.weights.layout.zero == 1:
+            self.weights.sync_from_shards()
 
     def _norm_squares(
         self, grads: dict[str, list[torch.Tensor]], totals: tuple[float, ...]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -21,7 +22,7 @@ from liveshard_core.layout.layout import Layout
 from liveshard_core.policy.rebalance import StepCosts
 from liveshard_core.vps.spec import ModelSpec, Param, StateKind
 
-from ..engine.state import ShardedState, flat_index
+from ..engine.state import ShardedState, flat_index, mirrored_bytes_of, state_bytes_of
 from ..engine.world import World
 from . import rng
 from .data import Dataset
@@ -127,6 +128,10 @@ class Trainer:
         if world is not self.world:
             self.world.close()
         self.state, self.world = state, world
+        # Set after a rebuild (the same layout again, none lost): a world that broke inside
+        # ZeRO-1's sharing left replicas' rows one step old, so the first step shares again.
+        self.reshare = False
+        self._held: tuple[int, int] | None = None  # `held_bytes`, once asked
         self.weights = Weights.build(state, world)
         self.model = StageModel(self.weights, self.settings)
         self.optimizer = Optimizer(self.weights, self.settings)
@@ -135,10 +140,20 @@ class Trainer:
     def layout(self) -> Layout:
         return self.state.layout
 
+    def held_bytes(self) -> tuple[int, int]:
+        """The state bytes this member holds, and of them its predecessor's mirrored ZeRO
+        shards' (`Layout.mirror`): what the mirror costs it."""
+        if self._held is None:
+            # From the geometry: the storage may be released by a switch meanwhile.
+            spec, layout, rank = self.state.spec, self.state.layout, self.state.rank
+            self._held = (state_bytes_of(spec, layout, rank), mirrored_bytes_of(spec, layout, rank))
+        return self._held
+
     @property
     def whole(self) -> bool:
         """Whether the state holds every update before `scalars.step` and nothing of the next
-        (False only after a step failed in the middle of its update)."""
+        (False only after a step failed in the middle of its update; ZeRO-1's rows of other
+        members' shards may be one step old, see `step`)."""
         return not self.optimizer.updating
 
     def finish_step(self, summed: tuple[float, ...]) -> None:
@@ -147,9 +162,19 @@ class Trainer:
         self.optimizer.finish(summed)
         self.scalars = self.scalars.advanced(self.settings.global_batch)
 
-    def step(self, agreement: tuple[float, ...] = ()) -> StepRecord:
+    def step(
+        self,
+        agreement: tuple[float, ...] = (),
+        stepped: Callable[[StepRecord], None] | None = None,
+    ) -> StepRecord:
         """Train step `scalars.step` and advance the scalars; `agreement` values come back summed
-        over the world (see `pipeline.train_step`)."""
+        over the world (see `pipeline.train_step`). `stepped` is told the step's record once its
+        update is applied, before ZeRO-1 shares the updated rows (`Optimizer.share`): a world
+        that breaks in the sharing leaves the step trained, its record told, its update in this
+        member's shards and the other rows waiting for the recovery (`plan.source_layout`)."""
+        if self.reshare:
+            self.optimizer.share()
+            self.reshare = False
         start = time.perf_counter()
         scalars = self.scalars
         stats: StepStats = train_step(
@@ -163,4 +188,7 @@ class Trainer:
             agreement=stats.agreement, costs=stats.costs,
         )  # fmt: skip
         self.scalars = self.scalars.advanced(self.settings.global_batch)
+        if stepped is not None:
+            stepped(record)
+        self.optimizer.share()
         return record

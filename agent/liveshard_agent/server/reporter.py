@@ -69,6 +69,7 @@ def observe(
     # epoch in effect without it.
     layout = member.layout if member.training else layout_of(member.epoch)
     trainer = member.trainer
+    held = trainer.held_bytes() if trainer is not None else (0, 0)  # training, or broken
     return Observed(
         training=member.training, joining=member.state is MemberState.JOINING,
         broken=member.broken is not None,
@@ -78,6 +79,7 @@ def observe(
         layout=layout,
         loss=member.last_loss if member.last_loss is not None else before.loss, pending=view,
         checkpoint_due=due.number if due is not None else None,
+        state_bytes=held[0], mirrored_bytes=held[1],
     )  # fmt: skip
 
 

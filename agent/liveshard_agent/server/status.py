@@ -62,6 +62,8 @@ class Observed:
     loss: float = 0.0
     pending: PendingView | None = None
     checkpoint_due: int | None = None  # the number of a checkpoint asked for and not yet saved
+    state_bytes: int = 0  # the training state it holds (0: none, standing by)
+    mirrored_bytes: int = 0  # of it, its predecessor's ZeRO shards (`Layout.mirror`)
 
 
 class ClaimKind(Enum):
@@ -190,6 +192,7 @@ class Snapshot:
             member=self.member, phase=self.phase.value, ready=self.ready, epoch=seen.epoch,
             step=seen.step, samples=seen.samples, loss=seen.loss, message=self.message,
             terminating=self.terminating, steps=self.steps, serving_certificate=self.serving,
+            state_bytes=seen.state_bytes, mirrored_bytes=seen.mirrored_bytes,
         )  # fmt: skip
         if seen.layout is not None:
             status.layout.CopyFrom(layout_to_proto(seen.layout))

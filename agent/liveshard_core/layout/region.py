@@ -155,6 +155,15 @@ Cell = tuple[int, int]
 boxes of one cell have the same holders."""
 
 
+def shard_dps(group: range, z: int, mirrored: bool) -> range:
+    """The dp indices that hold ZeRO shard `z` of a shard `group`: its member of the group, and
+    when `mirrored` the next one, round (two indices in order are a range)."""
+    if not mirrored:
+        return group[z : z + 1]
+    a, b = sorted((group[z], group[(z + 1) % len(group)]))
+    return range(a, b + 1, b - a)
+
+
 class Geometry:
     """The partition of the tensors placed as `placed` under `layout`."""
 
@@ -186,12 +195,7 @@ class Geometry:
         return self._holders[cell]
 
     def _shard_dps(self, z: int) -> range:
-        """The dp indices that hold shard `z`: its member of the group, and the next one when
-        mirrored (two indices in order are a range)."""
-        if not self.mirrored:
-            return self.group[z : z + 1]
-        a, b = sorted((self.group[z], self.group[(z + 1) % self.shards]))
-        return range(a, b + 1, b - a)
+        return shard_dps(self.group, z, self.mirrored)
 
     def _local(self, t: int) -> list[Box]:
         """The boxes of tp index `t` before ZeRO shards them (any tp index, when not split)."""

@@ -2,9 +2,9 @@
 
 A plan is a pure function of (model spec, old layout, new layout, lost members). Members are named
 by slot (`union`). Members in both layouts keep what they hold (a local copy); every other byte a
-new rank needs comes from one old holder. Tensors placed alike form a class (`classes`) whose
-pieces are computed once, so planning cost follows the number of distinct pieces, not
-ranks x tensors.
+new rank needs comes from one old holder. A recovery reads a ZeRO-1 layout's parameters from their
+shard's holders only (`source_layout`). Tensors placed alike form a class (`classes`) whose pieces
+are computed once, so planning cost follows the number of distinct pieces, not ranks x tensors.
 
 Invariants (property-tested): every byte of every new region is covered exactly once; network
 bytes equal the lower bound (`bounds`); the plan is identical wherever it is computed.
@@ -16,19 +16,19 @@ import hashlib
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from ..errors import InvalidInput, NoSurvivingCopy
 from ..layout.layout import Layout
 from ..layout.region import Placed
 from ..vps.box import volume
-from ..vps.spec import ModelSpec, TensorRef
+from ..vps.spec import ModelSpec, StateKind, TensorRef
 from .classes import TensorClass, tensor_classes
 from .matching import LostPiece, Piece, Slot, pattern_pieces
 from .union import Union
 
-PLANNER_VERSION = 3
+PLANNER_VERSION = 4  # 4: a recovery from ZeRO-1 reads parameters from their shard's holders
 
 
 @dataclass(frozen=True)
@@ -188,26 +188,44 @@ def build_plan(
     old.check(spec)
     new.check(spec)
     union = Union(old, new, lost)
+    source = source_layout(old, lost)
     pattern_index: dict[tuple[Placed, Placed], int] = {}
     patterns: list[Pattern] = []
     groups = []
-    for cls in tensor_classes(spec, old, new):
+    for cls in tensor_classes(spec, source, new):
         key = (cls.old, cls.new)
         if key not in pattern_index:
             pattern_index[key] = len(patterns)
-            with lost_tensor(spec, cls, lost):
+            with lost_tensor(spec, cls, lost, source is not old):
                 patterns.append(Pattern(tuple(pattern_pieces(union, cls.old, cls.new))))
         groups.append(PlanGroup(pattern_index[key], cls))
     return Plan(spec, old, new, union.members, tuple(patterns), tuple(groups), lost)
 
 
+def source_layout(old: Layout, lost: frozenset[str]) -> Layout:
+    """The layout whose geometry says which old members a change reads each byte from: `old`,
+    but for a recovery (a change with `lost` members) from ZeRO-1, which reads parameters from
+    their shard's holders only, as under ZeRO-3. A world can break inside the parameter sharing
+    that follows an update (a member dies in its all-reduce): each member has then written the
+    update into its own shards' rows (a mirrored layout's too) but holds the other rows one step
+    old, or some of them new where the all-reduce completed; the shard's holders have the update
+    either way. (A rebuild, none lost, shares the update again instead: `Trainer.reshare`.)"""
+    return replace(old, zero=3) if lost and old.zero == 1 else old
+
+
 @contextmanager
-def lost_tensor(spec: ModelSpec, cls: TensorClass, lost: frozenset[str]) -> Iterator[None]:
-    """Turn a piece no live member holds into an error naming the tensor."""
+def lost_tensor(
+    spec: ModelSpec, cls: TensorClass, lost: frozenset[str], from_shards: bool = False
+) -> Iterator[None]:
+    """Turn a piece no live member holds into an error naming the tensor; a parameter read
+    from its shard's holders (`from_shards`) by its optimizer state, which they alone held."""
     try:
         yield
     except LostPiece as err:
-        name = spec.tensor_name(cls.tensor(0))
+        ref = cls.tensor(0)
+        if from_shards and ref.kind is StateKind.PARAM:
+            ref = TensorRef(ref.param, next(k for k in spec.kinds if k is not StateKind.PARAM))
+        name = spec.tensor_name(ref)
         raise NoSurvivingCopy(
             f"no surviving copy of {name} {list(err.box)} (and of every tensor placed "
             f"like it): every member that held it is lost ({sorted(lost)}); "

@@ -18,7 +18,7 @@ from ..layout.region import Placed
 from ..vps.spec import ModelSpec, TensorRef
 from .classes import TensorClass, tensor_classes
 from .matching import Piece, Slot, member_pieces
-from .plan import lost_tensor
+from .plan import lost_tensor, source_layout
 from .schedule import Position, member_position
 from .union import Union
 
@@ -73,11 +73,12 @@ def member_plan(
     index: dict[tuple[Placed, Placed], int] = {}
     patterns: list[tuple[Piece, ...]] = []
     groups = []
-    for cls in tensor_classes(spec, old, new):
+    source = source_layout(old, lost)
+    for cls in tensor_classes(spec, source, new):
         key = (cls.old, cls.new)
         if key not in index:
             index[key] = len(patterns)
-            with lost_tensor(spec, cls, lost):
+            with lost_tensor(spec, cls, lost, source is not old):
                 pieces = member_pieces(union, cls.old, cls.new, old_rank, new_rank)
             patterns.append(tuple(pieces))
         groups.append((index[key], cls))

@@ -207,7 +207,8 @@ def estimate(
 
 def state_bytes_per_layer(spec: ModelSpec, layout: Layout) -> tuple[tuple[int, ...], int, int]:
     """Training state per device of each layer, of the embedding and of the head under
-    `layout`: parameters, gradients and optimizer state, ZeRO-sharded as in `estimate`."""
+    `layout`: parameters, gradients and optimizer state, ZeRO-sharded (and mirrored) as in
+    `estimate`."""
     cfg = spec.config
     param_bytes = cfg.param_dtype.itemsize
     optimizer_bytes = 8 if cfg.param_dtype is DType.FP32 else 12
@@ -219,8 +220,11 @@ def state_bytes_per_layer(spec: ModelSpec, layout: Layout) -> tuple[tuple[int, .
         if p.expert is not None:
             n /= layout.ep
             group = layout.dp // layout.ep
-        b = n * (2 * param_bytes / (group if layout.zero >= 3 else 1)
-                 + optimizer_bytes / (group if layout.zero >= 1 else 1))  # fmt: skip
+        copies = 2 if layout.mirror and group > 1 else 1  # a mirrored shard is held twice
+        params = param_bytes * (copies / group if layout.zero >= 3 else 1)
+        grads = param_bytes / (group if layout.zero >= 3 else 1)
+        optimizer = optimizer_bytes * (copies / group if layout.zero >= 1 else 1)
+        b = n * (params + grads + optimizer)
         if p.layer is not None:
             layers[p.layer] += b
         elif p.name == "embed":

@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch", reason="sharded state needs torch (the agen
 
 from liveshard_agent.engine.state import (  # noqa: E402
     ShardedState,
+    mirrored_bytes_of,
     region_boxes,
     seeded_box,
     state_bytes_of,
@@ -48,6 +49,21 @@ def test_state_holds_the_region_and_reports_bytes() -> None:
         assert state.matches_seed(6) != []
         assert state.nbytes == state_bytes_of(TINY, layout, rank)
     assert state_bytes_of(TINY, Layout.create(TINY, ["solo"]), 0) == TINY.state_bytes
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_a_mirrored_member_of_two_holds_both_shards(zero: int) -> None:
+    # dp=2 mirrored: each member holds its shard and the other's, the whole state of ZeRO-0.
+    plain = Layout.create(TINY, names(2), dp=2, zero=zero)
+    mirrored = Layout.create(TINY, names(2), dp=2, zero=zero, mirror=True)
+    whole = Layout.create(TINY, names(2), dp=2)
+    for rank in range(2):
+        assert mirrored_bytes_of(TINY, plain, rank) == 0
+        added = state_bytes_of(TINY, whole, rank) - state_bytes_of(TINY, plain, rank)
+        assert mirrored_bytes_of(TINY, mirrored, rank) == added > 0
+        assert ShardedState.seeded(TINY, mirrored, rank, 5, CPU).nbytes == state_bytes_of(
+            TINY, whole, rank
+        )
 
 
 def test_fp32_model_has_no_master_copy() -> None:

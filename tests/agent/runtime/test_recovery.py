@@ -1,7 +1,8 @@
 """Recovery from a member that dies without notice: local jobs of several processes (gloo, CPU).
 
-A member kills its own process (SIGKILL) as it begins a step (`--kill STEP:RANK`); the others'
-world breaks in that step's first collective, and the launcher answers with a recovery: the same
+A member kills its own process (SIGKILL) as it begins a step (`--kill STEP:RANK`; or after its
+update, `STEP:RANK:update`); the others' world breaks in that step's first collective (or in
+ZeRO-1's sharing of the update), and the launcher answers with a recovery: the same
 layout, a new process in the dead member's place, the dead member `lost`. The job must train on
 as if nothing happened: the losses equal a one-process run's step by step (within the
 reduction-order tolerance of `test_training`), every sample is fed exactly once, and the step
@@ -65,6 +66,10 @@ SCENARIOS = {
                                                    ("6:0", "6:2"), ()),
     "expert shards mirrored in their expert-dp group": ("tiny-moe", "dp=4,ep=2,zero=1,mirror=1",
                                                         ("5:1",), ()),
+    # Killed between its update and ZeRO-1's sharing of it: every survivor holds the step in
+    # its shards and the step before in the other rows; the recovery reads those from the shards.
+    "ZeRO-1 mirrored, a member dies before sharing its update": (
+        "tiny", "dp=4,zero=1,mirror=1", ("6:1:update",), ("12:pp=2,dp=2,zero=1,mirror=1",)),
 }  # fmt: skip
 
 
@@ -228,9 +233,9 @@ def test_a_recovery_never_goes_on_from_reports_or_announcements_without_the_seal
 # ---- an update cut in its all-reduce, finished alone ----
 
 
-def one_member(store: TCPStore, epoch: int) -> Trainer:
+def one_member(store: TCPStore, epoch: int, zero: int = 0) -> Trainer:
     spec = preset("tiny")
-    layout = Layout.create(spec, ["m0"], dp=1)
+    layout = Layout.create(spec, ["m0"], dp=1, zero=zero)
     device = torch.device("cpu")
     world = World.build(
         store, epoch=epoch, tag="test", layout=layout, member="m0", device=device, timeout=30
@@ -243,14 +248,16 @@ def one_member(store: TCPStore, epoch: int) -> Trainer:
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("zero", [0, 1])
 def test_an_update_cut_in_its_all_reduce_finishes_alone_bit_for_bit(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, zero: int
 ) -> None:
     """One process, two single-member trainers of the same job: `cut` has the update's last
     all-reduce fail (as when a peer dies inside it, which completes elsewhere), then finishes the
-    update with the sums `whole` got; both states must then be the same, bit for bit."""
+    update with the sums `whole` got; both states must then be the same, bit for bit (ZeRO-1 too:
+    its sharing of the update follows in the recovery)."""
     store = TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
-    whole, cut = one_member(store, 0), one_member(store, 1)
+    whole, cut = one_member(store, 0, zero), one_member(store, 1, zero)
     for trainer in (whole, cut):
         trainer.step()
     fail = {"now": False}

@@ -247,6 +247,8 @@ def test_a_one_member_job_trains_to_its_end(tmp_path: Path) -> None:
         assert err.code() == Code.FAILED_PRECONDITION
         status = solo.wait_for("the end", lambda s: s.phase == Phase.DONE)
         assert status.step == status.steps == 6 and status.samples == 6 * 4
+        # Its state, held once (one member: nothing to mirror).
+        assert status.state_bytes > 0 and status.mirrored_bytes == 0
         # The measured costs: the medians of the last 4 steps, one stage holding every layer.
         costs = status.costs
         assert costs.steps == 4 and len(costs.layer_seconds) == 4 and costs.imbalance == 1.0

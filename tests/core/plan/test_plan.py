@@ -336,6 +336,38 @@ def test_lost_shard_without_copy_names_the_tensor() -> None:
         build_plan(TINY, old, new, frozenset({"m2"}))
 
 
+def param_pieces(plan: Any) -> list[tuple[str, str, Any]]:
+    """(source, destination, box) of every network piece of the first parameter."""
+    ref = TensorRef(0, StateKind.PARAM)
+    return [(plan.members[p.src], plan.members[p.dst], p.box) for r, _, p in plan.items()
+            if r == ref and p.src != p.dst]  # fmt: skip
+
+
+def test_a_recovery_from_zero1_reads_parameters_from_their_shards_holders_only() -> None:
+    # dp=4 mirrored: shard z of embed is held by members z and z+1. m1 died, perhaps inside the
+    # parameter sharing after an update: a survivor's rows of others' shards may be a step old.
+    old = Layout.create(TINY, names(4), dp=4, zero=1, mirror=True)
+    new = Layout.create(TINY, ["m0", "m4", "m2", "m3"], dp=4, zero=1, mirror=True)
+    lost = frozenset({"m1"})
+    plan = build_plan(TINY, old, new, lost)
+    check_plan(TINY, old, new, plan, lost)
+    vocab = TINY.params[0].shape[0]
+    rows = vocab // 4
+    shard = {m: range(rows * z, rows * (z + 1)) for z, m in enumerate(names(4))}
+    received: dict[str, int] = Counter()
+    for src, dst, box in param_pieces(plan):
+        # The source holds these rows' optimizer shard: its own or its predecessor's.
+        mine = {src, names(4)[names(4).index(src) - 1]}
+        assert any(box[0][0] in shard[m] and box[0][1] - 1 in shard[m] for m in mine), (src, box)
+        received[dst] += box[0][1] - box[0][0]
+    # Every member but the shards' holders receives them: m0 holds shards 0 and 3, so it takes
+    # shards 1 and 2 again; the newcomer takes all four.
+    assert received == {"m0": 2 * rows, "m4": vocab, "m2": 2 * rows, "m3": 2 * rows}
+    # A change whose members keep their state reads the parameters from every replica.
+    plan = build_plan(TINY, old, Layout.create(TINY, names(5), dp=5, zero=1, mirror=True))
+    assert {d for _, d, _ in param_pieces(plan)} == {"m4"}
+
+
 def test_lost_members_must_be_old_and_not_new() -> None:
     old = Layout.create(TINY, names(2), dp=2)
     with pytest.raises(ValueError, match=r"lost members \['x'\] are not members of the old"):

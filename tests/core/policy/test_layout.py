@@ -7,9 +7,11 @@ from pathlib import Path
 import pytest
 
 from liveshard_core.errors import InvalidInput
-from liveshard_core.layout.layout import parse_degrees
+from liveshard_core.layout.layout import Layout, parse_degrees
+from liveshard_core.layout.region import place, rank_boxes
 from liveshard_core.policy.layout import Constraints, choose_layout
-from liveshard_core.policy.model import Hardware, Workload, estimate
+from liveshard_core.policy.model import Hardware, Workload, estimate, state_bytes_per_layer
+from liveshard_core.vps.box import volume
 from liveshard_core.vps.presets import preset
 from liveshard_core.vps.spec import load_spec_file
 
@@ -81,3 +83,29 @@ def test_no_layout_names_the_constraint(
 ) -> None:
     with pytest.raises(InvalidInput, match=fragment):
         choose_layout(LLAMA, members, constraints, hardware)
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_the_state_per_layer_counts_a_mirrored_shard_twice(zero: int) -> None:
+    # What the mirror adds to a member's layers is its predecessor's shards: the exact bytes of
+    # the layout's regions (gradients, not in the state, are not mirrored).
+    spec = preset("tiny")
+    members = [f"m{i}" for i in range(4)]
+    plain = parse_degrees(f"dp=4,zero={zero}").layout(spec, members)
+    mirrored = parse_degrees(f"dp=4,zero={zero},mirror=1").layout(spec, members)
+
+    def exact(layout: Layout) -> int:
+        return sum(
+            volume(box) * spec.dtype(kind).itemsize
+            for param in spec.params
+            if param.layer is not None
+            for kind in spec.kinds
+            for box in rank_boxes(layout, place(spec, layout, param, kind), 0)
+        )
+
+    def estimated(layout: Layout) -> int:
+        return sum(state_bytes_per_layer(spec, layout)[0])
+
+    grown = estimated(mirrored) - estimated(plain)
+    assert grown > 0
+    assert grown == pytest.approx(exact(mirrored) - exact(plain), abs=spec.config.layers)
