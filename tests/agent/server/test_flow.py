@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -284,6 +285,11 @@ def test_the_agents_of_a_deleted_job_are_discarded_whatever_they_do(tmp_path: Pa
         err = a0.refused("Release", pb.ReleaseRequest())
         assert err.code() == Code.FAILED_PRECONDITION and "member of the world" in str(err)
         a1.signal(signal.SIGSTOP)
+        # a0 may still finish a step a1 had done its part of; then it waits in the next one.
+        before, now = -1, a0.status().step
+        while now != before:
+            time.sleep(2)
+            before, now = now, a0.status().step
         a0.call("Release", pb.ReleaseRequest(discard=True))
         assert a0.wait_exit(timeout=60) == 0
         assert "did not stop within" in a0.output()
