@@ -224,11 +224,10 @@ def state_bytes_of(spec: ModelSpec, layout: Layout, rank: int) -> int:
     )
 
 
-def mirrored_bytes_of(spec: ModelSpec, layout: Layout, rank: int) -> int:
-    """Of the bytes a rank holds under `layout`, those of its predecessor's ZeRO shards (a
-    mirrored layout's copies, `Layout.mirror`; 0 without)."""
+def held_bytes_of(spec: ModelSpec, layout: Layout, rank: int) -> tuple[int, int]:
+    """The bytes a rank holds under `layout` (`state_bytes_of`), and of them those of its
+    predecessor's ZeRO shards (a mirrored layout's copies, `Layout.mirror`; 0 without)."""
+    held = state_bytes_of(spec, layout, rank)
     if not layout.mirror:
-        return 0
-    return state_bytes_of(spec, layout, rank) - state_bytes_of(
-        spec, replace(layout, mirror=False), rank
-    )
+        return held, 0
+    return held, held - state_bytes_of(spec, replace(layout, mirror=False), rank)

@@ -22,7 +22,7 @@ from liveshard_core.layout.layout import Layout
 from liveshard_core.policy.rebalance import StepCosts
 from liveshard_core.vps.spec import ModelSpec, Param, StateKind
 
-from ..engine.state import ShardedState, flat_index, mirrored_bytes_of, state_bytes_of
+from ..engine.state import ShardedState, flat_index, held_bytes_of
 from ..engine.world import World
 from . import rng
 from .data import Dataset
@@ -145,8 +145,7 @@ class Trainer:
         shards' (`Layout.mirror`): what the mirror costs it."""
         if self._held is None:
             # From the geometry: the storage may be released by a switch meanwhile.
-            spec, layout, rank = self.state.spec, self.state.layout, self.state.rank
-            self._held = (state_bytes_of(spec, layout, rank), mirrored_bytes_of(spec, layout, rank))
+            self._held = held_bytes_of(self.state.spec, self.state.layout, self.state.rank)
         return self._held
 
     @property

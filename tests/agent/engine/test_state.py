@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch", reason="sharded state needs torch (the agen
 
 from liveshard_agent.engine.state import (  # noqa: E402
     ShardedState,
-    mirrored_bytes_of,
+    held_bytes_of,
     region_boxes,
     seeded_box,
     state_bytes_of,
@@ -58,9 +58,10 @@ def test_a_mirrored_member_of_two_holds_both_shards(zero: int) -> None:
     mirrored = Layout.create(TINY, names(2), dp=2, zero=zero, mirror=True)
     whole = Layout.create(TINY, names(2), dp=2)
     for rank in range(2):
-        assert mirrored_bytes_of(TINY, plain, rank) == 0
+        assert held_bytes_of(TINY, plain, rank) == (state_bytes_of(TINY, plain, rank), 0)
         added = state_bytes_of(TINY, whole, rank) - state_bytes_of(TINY, plain, rank)
-        assert mirrored_bytes_of(TINY, mirrored, rank) == added > 0
+        assert held_bytes_of(TINY, mirrored, rank) == (state_bytes_of(TINY, whole, rank), added)
+        assert added > 0
         assert ShardedState.seeded(TINY, mirrored, rank, 5, CPU).nbytes == state_bytes_of(
             TINY, whole, rank
         )
