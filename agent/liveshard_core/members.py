@@ -30,6 +30,7 @@ from enum import Enum
 from .assign.assign import Assignment, Problem
 from .errors import InvalidInput
 from .layout.layout import Degrees, Layout
+from .plan.plan import source_layout
 from .vps.spec import ModelSpec
 
 
@@ -129,7 +130,9 @@ def resolve_change(
         if change.add is not None
         else max(need - len(survivors) - len(change.replace), 0)
     )
-    problem = Problem(spec, old_degrees, new_degrees)
+    # What the survivors hold as the plan reads it (a recovery from ZeRO-1: parameters from
+    # their shard's holders only), so that the assignment's bytes are the plan's.
+    problem = Problem(spec, source_layout(old, change.lost_members()), new_degrees)
     ordered = problem.given(_in_order(old, change, need, joiners), survivors)
     best = problem.best(survivors, joiners)
     if assign is Assign.ORDERED:

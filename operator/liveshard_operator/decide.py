@@ -38,6 +38,7 @@ from dataclasses import replace
 
 from liveshard.v1 import agent_pb2 as pb
 from liveshard_core.errors import InvalidInput
+from liveshard_core.plan.plan import source_layout
 
 from . import checkpoints, policy, rebalance, start_failures
 from .actions import Begin, Checkpoint, DeletePod, Event, EventType, ReleaseMember
@@ -111,7 +112,8 @@ def _start(draft: Draft) -> None:
     except InvalidInput as err:
         draft.message = str(err)
         return
-    members = [p.name for p in ready[: choice.used]]
+    members = policy.order(choice.degrees, [p.name for p in ready[: choice.used]],
+                           draft.seen.nodes())  # fmt: skip
     layout = choice.degrees.layout(draft.job.model, members)
     short = f"{len(ready)} of {wanted} pods: " if len(ready) < wanted else ""
     reason = f"start with {short}{choice.why}"
@@ -172,7 +174,9 @@ def _steady(draft: Draft, world: World) -> None:
         return
     old = world.layout(model)
     joiners = [p.name for p in standby]
-    new_members = policy.assign(model, old, choice.degrees, stayers, joiners)
+    # Survivors are placed on what the plan reads from them (`source_layout`).
+    source = source_layout(old, frozenset(lost))
+    new_members = policy.assign(model, source, choice.degrees, stayers, joiners, draft.seen.nodes())
     draft.spares = [p.name for p in standby if p.name not in new_members]
     if rebuild:
         _begin(draft, InFlight(
@@ -426,7 +430,8 @@ def _restore(draft: Draft, why: str) -> None:
     except InvalidInput as err:
         draft.message = f"restoring {last.path}: {err}"
         return
-    layout = choice.degrees.layout(model, ready[: choice.used])
+    layout = choice.degrees.layout(model, policy.order(choice.degrees, ready[: choice.used],
+                                                       draft.seen.nodes()))  # fmt: skip
     _begin(draft, InFlight(
         epoch=_next_epoch(draft), new=World.of(0, layout), store=_NO_STORE, started=draft.now,
         reason=f"restore from {last.path} (step {last.step}): {why}", restore=last.path,

@@ -68,6 +68,7 @@ class Pod:
     since: float = 0.0  # when it was scheduled, else created (seconds since the epoch)
     unschedulable: str = ""  # the scheduler's "reason: message" when it could not place it
     failure: str = ""  # how a container of it failed, as the kubelet says ("": none did)
+    node: str = ""  # the node it is scheduled on ("": not yet)
 
     @property
     def ready(self) -> bool:
@@ -81,6 +82,10 @@ class Pod:
 @dataclass(frozen=True)
 class Observation:
     pods: dict[str, Pod]
+
+    def nodes(self) -> dict[str, str]:
+        """Each scheduled pod's node."""
+        return {name: pod.node for name, pod in self.pods.items() if pod.node}
 
     def live(self) -> list[Pod]:
         """Pods that are neither gone nor leaving, oldest first."""
@@ -176,4 +181,5 @@ def pod_of(
         leaving=leaving(pod, leaving_nodes), gone=gone(pod),
         created=meta.get("creationTimestamp", ""), agent=agent, error=error, since=since,
         unschedulable=unschedulable, failure=failure(pod),
+        node=(pod.get("spec") or {}).get("nodeName") or "",
     )  # fmt: skip

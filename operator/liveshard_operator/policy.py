@@ -8,9 +8,11 @@ devices to them. CPU jobs are costed with what a collective costs between local 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from liveshard_core.assign.assign import placed_members
+from liveshard_core.assign.nodes import spread
 from liveshard_core.layout.layout import Degrees, Layout
 from liveshard_core.policy.layout import Constraints, choose_layout
 from liveshard_core.policy.model import Hardware
@@ -53,8 +55,21 @@ def choose(spec: ModelSpec, job: JobSpec, members: int) -> Choice:
 
 
 def assign(
-    spec: ModelSpec, old: Layout, degrees: Degrees, survivors: list[str], joiners: list[str]
+    spec: ModelSpec,
+    old: Layout,
+    degrees: Degrees,
+    survivors: list[str],
+    joiners: list[str],
+    node_of: Mapping[str, str],
 ) -> list[str]:
     """The new layout's members in rank order: the survivors placed to move the fewest bytes
-    (the core's exact assignment), the joiners on the ranks left."""
-    return placed_members(spec, old, degrees, survivors, iter(joiners).__next__)
+    (the core's exact assignment), the joiners on the ranks left, spread so that the fewest
+    mirror pairs share a node."""
+    members = placed_members(spec, old, degrees, survivors, iter(joiners).__next__)
+    return spread(degrees, members, survivors, node_of)
+
+
+def order(degrees: Degrees, members: list[str], node_of: Mapping[str, str]) -> list[str]:
+    """A first layout's members (no state to keep) in rank order, spread so that the fewest
+    mirror pairs share a node."""
+    return spread(degrees, members, (), node_of)

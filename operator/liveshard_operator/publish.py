@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from liveshard.v1 import agent_pb2 as pb
+from liveshard_core.assign.nodes import mirror_pairs, pairs_on_one_node
 from liveshard_core.job import Result
 
 from . import checkpoints, render
@@ -99,6 +100,18 @@ def _state_bytes(agents: list[pb.AgentStatus | None]) -> dict[str, int] | None:
             "mirroredPerMember": max(int(a.mirrored_bytes) for a in held)}  # fmt: skip
 
 
+def _placement(job: Job, world: World, seen: Observation) -> dict[str, int]:
+    """Over how many nodes the world's members are, and how many of its mirror pairs (two
+    members holding copies of one ZeRO shard) share one: a node's loss is recovered in memory
+    when none of them are on it."""
+    layout, node_of = world.layout(job.model), seen.nodes()
+    return {
+        "nodes": len({node_of[m] for m in world.members if m in node_of}),
+        "mirrorPairs": len(mirror_pairs(layout)),
+        "mirrorPairsOnOneNode": pairs_on_one_node(layout, layout.members, node_of),
+    }
+
+
 def status(
     job: Job, seen: Observation, record: Record, report: Report, now: float
 ) -> dict[str, Any]:
@@ -123,6 +136,7 @@ def status(
                     out["progress"] = progress
         out.update(epoch=world.epoch, layout=world.describe(), members=list(world.members))
     out["stateBytes"] = _state_bytes([pods[m].agent for m in training])
+    out["placement"] = _placement(job, world, seen) if world is not None else None
     out["readyReplicas"] = len(training)
     out["spares"] = list(report.spares)
     if report.last is not None:

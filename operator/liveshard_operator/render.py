@@ -203,6 +203,12 @@ def worker_pod(job: dict[str, Any], spec: JobSpec) -> dict[str, Any]:
     pod_spec.setdefault("securityContext", copy.deepcopy(POD_SECURITY))
     # The agent never calls the API server: worker code gets no credential for it.
     pod_spec.setdefault("automountServiceAccountToken", False)
+    # Spread over nodes (a preference): a node's loss takes fewer members, and a mirrored
+    # shard's two holders can be put on two nodes.
+    pod_spec.setdefault("topologySpreadConstraints", [{
+        "maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+        "whenUnsatisfiable": "ScheduleAnyway", "labelSelector": {"matchLabels": {JOB_LABEL: name}},
+    }])  # fmt: skip
     # A crashed agent has lost its state: the operator replaces the pod, nothing restarts it.
     pod_spec["restartPolicy"] = "Never"
     # Long enough for the job to move a leaving pod's state out before it is killed.

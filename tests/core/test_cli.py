@@ -251,6 +251,17 @@ def test_lost_member_replaced_in_place(capsys: pytest.CaptureFixture[str]) -> No
     assert s["network_bytes"] == s["lower_bound_bytes"] == TINY_STATE_BYTES
 
 
+def test_a_recovery_from_zero1_is_assigned_and_bounded_on_what_the_plan_reads(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The plan reads parameters from their shard's holders only (`source_layout`): the
+    # assignment's figures and the lower bound count the same, so the plan meets both.
+    s = run_json(capsys, "--model", "tiny", "--from", "dp=4,zero=1,mirror=1", "--to",
+                 "dp=3,zero=1,mirror=1", "--lost", "2")  # fmt: skip
+    assert s["network_bytes"] == s["lower_bound_bytes"] == s["best_network_bytes"]
+    assert s["network_bytes"] == s["assignment_lower_bound_bytes"]
+
+
 def test_lost_shard_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["plan", "--model", "tiny", "--from", "dp=4,zero=1", "--to", "dp=3,zero=1",
                  "--lost", "2"])  # fmt: skip

@@ -492,6 +492,37 @@ def test_a_worker_killed_without_notice_is_recovered_in_memory(operator: Kube) -
     steps.wait(lambda s: s.get("step", 0) > back["step"], "training on")
 
 
+def test_a_node_lost_with_its_members_is_recovered_in_memory(operator: Kube) -> None:
+    kube = operator
+    # Four workers spread over the cluster's nodes, two on one at least; the mirrored ZeRO-1
+    # layout puts each shard's two holders (neighbours on the ring of 4) on two nodes.
+    steps, start = started(kube, 4, parallelism={"zero": 1})
+    node_of = {name: pod["spec"]["nodeName"] for name, pod in members(kube).items()}
+    ring = [node_of[m] for m in start["members"]]
+    assert all(a != b for a, b in zip(ring, ring[1:] + ring[:1], strict=True)), ring
+    assert start["placement"] == {"nodes": len(set(ring)), "mirrorPairs": 4,
+                                  "mirrorPairsOnOneNode": 0}  # fmt: skip
+    node = max(ring, key=ring.count)
+    victims = [m for m in start["members"] if node_of[m] == node]
+    assert len(victims) == 2, ring
+    kube.kubectl("delete", "pod", *victims, "--grace-period=0", "--force")
+
+    def recovered(s: dict[str, Any]) -> bool:
+        last = s.get("lastReconfiguration") or {}
+        return not set(victims) & set(s.get("members", victims)) and "lost" in last.get(
+            "reason", ""
+        )
+
+    after = steps.wait(lambda s: recovered(s) and s.get("phase") == "Running", "a recovery")
+    last = after["lastReconfiguration"]
+    assert last["result"] == "committed" and "restore" not in last["reason"], last
+    assert all(v in last["reason"] for v in victims), last
+    assert after["step"] >= start["step"]  # from memory: no step went back
+    # Replacements pre-warm and join wherever they land: back to 4 members, training on.
+    back = steps.wait(training(4, after["epoch"] + 1), "back to 4 members", STARTUP)
+    steps.wait(lambda s: s.get("step", 0) > back["step"], "training on")
+
+
 def test_a_pipeline_whose_first_layers_freeze_is_rebalanced_live(operator: Kube) -> None:
     kube = operator
     # pp=2 on 2 workers, 2 of the 4 layers each; from step 4 the first 2 layers are frozen

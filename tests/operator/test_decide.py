@@ -31,6 +31,7 @@ from liveshard_operator.publish import HISTORY
 from liveshard_operator.world import InFlight, Record, StartFailures, Suspension
 
 from liveshard.v1 import agent_pb2 as pb
+from liveshard_core.assign.nodes import pairs_on_one_node
 from liveshard_core.errors import InvalidInput
 from tests.operator.values import (
     NOW,
@@ -726,6 +727,37 @@ def test_the_status_shows_the_most_state_a_member_holds_and_what_its_mirror_cost
         pods.append(replace(member, agent=agent))
     status = decide(seen(*pods), case.record, case.job, NOW).status
     assert status["stateBytes"] == {"perMember": 1000 + len(pods) - 1, "mirroredPerMember": 300}
+
+
+MIRRORED = {"faultTolerance": {"snapshots": True}}
+
+
+def test_the_first_world_puts_each_mirrored_shards_holders_on_two_nodes() -> None:
+    # Two pods on each node, created node by node: in that order a node's loss would take both
+    # holders of two shards.
+    pods = seen(*(pod(f"p{i}", standby(), node="ab"[i // 2]) for i in range(4)))
+    decision = decide(pods, Record(), job(4, **MIRRORED), NOW)
+    assert str(asked(decision)).startswith("begin 0 on p0: p0,p2,p1,p3 start with")
+    # Without the mirror the pods' order stands.
+    assert str(asked(decide(pods, Record(), J4, NOW))).startswith("begin 0 on p0: p0,p1,p2,p3 ")
+
+
+def test_joiners_go_where_no_mirror_pair_shares_a_node_and_the_status_counts_the_pairs() -> None:
+    mirrored = job(4, **MIRRORED)
+    # p0 and p1 (nodes a, b) train; p2 and p3 (a, b) stand by to join, listed against their nodes.
+    old = world(mirrored, ["p0", "p1"], 1)
+    pods = seen(pod("p0", training(1), role=M, node="a"), pod("p1", training(1), role=M, node="b"),
+                pod("p2", standby(), node="a"), pod("p3", standby(), node="b"))  # fmt: skip
+    decision = decide(pods, Record(world=old), mirrored, NOW)
+    assert isinstance(decision.ask, Begin)
+    new = decision.ask.plan.new.layout(mirrored.model)
+    node_of = pods.nodes()
+    assert pairs_on_one_node(new, new.members, node_of) == 0
+    assert decision.status["placement"] == {"nodes": 2, "mirrorPairs": 1, "mirrorPairsOnOneNode": 0}
+    # Members that were placed on one node are counted.
+    crowded = seen(*(replace(p, node="a") for p in pods.pods.values()))
+    status = decide(crowded, Record(world=old), mirrored, NOW).status
+    assert status["placement"] == {"nodes": 1, "mirrorPairs": 1, "mirrorPairsOnOneNode": 1}
 
 
 def test_an_abort_degrades_the_job_and_says_why() -> None:

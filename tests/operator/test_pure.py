@@ -119,6 +119,20 @@ def test_worker_pods_are_restricted_and_get_no_api_credential_unless_the_templat
     assert pod["containers"][0]["securityContext"] == {"privileged": True}
 
 
+def test_worker_pods_prefer_to_spread_over_nodes_unless_the_template_says() -> None:
+    pod = render.worker_pod(JOB, JobSpec.parse(JOB["spec"]))["spec"]
+    (spread,) = pod["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname" and spread["maxSkew"] == 1
+    assert spread["whenUnsatisfiable"] == "ScheduleAnyway"  # a preference: never left Pending
+    assert spread["labelSelector"] == {"matchLabels": {"liveshard.io/job": "tiny"}}
+    job = copy.deepcopy(JOB)
+    job["spec"]["template"]["spec"]["topologySpreadConstraints"] = []
+    assert (
+        render.worker_pod(job, JobSpec.parse(job["spec"]))["spec"]["topologySpreadConstraints"]
+        == []
+    )
+
+
 @pytest.mark.parametrize(
     ("resources", "env", "threads"),
     [

@@ -99,6 +99,7 @@ def pod(
     since: float = NOW - 1,
     unschedulable: str = "",
     failure: str = "",
+    node: str = "",
 ) -> Pod:
     """A pod; pods are created in name order unless `created` says otherwise, and scheduled a
     second before the pass unless `since` or `unschedulable` says otherwise; `failure`: how a
@@ -107,7 +108,7 @@ def pod(
         name=name, ip=None if gone else f"10.0.0.{name[-1]}", role=role, leaving=leaving,
         gone=gone, created=created or f"2024-01-01T00:00:0{name[-1]}Z", agent=agent,
         error=error or ("" if agent is not None else f"agent {name}: UNAVAILABLE"),
-        since=since, unschedulable=unschedulable, failure=failure,
+        since=since, unschedulable=unschedulable, failure=failure, node=node,
     )  # fmt: skip
 
 

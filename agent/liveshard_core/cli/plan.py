@@ -19,7 +19,7 @@ from ..layout.layout import Layout, parse_degrees
 from ..members import Assign, Change, MemberChange, resolve_change
 from ..plan.bounds import lower_bound_bytes
 from ..plan.matching import Piece
-from ..plan.plan import Plan, build_plan
+from ..plan.plan import Plan, build_plan, source_layout
 from ..plan.predict import predict
 from ..plan.schedule import Op, Schedule, build_schedule, member_schedule, plan_traffic
 from ..plan.union import union_members
@@ -113,7 +113,8 @@ def plan_summary(
         "members_lost": sorted(lost, key=int),
         "transfers": plan.network_pieces,
         "network_bytes": plan.network_bytes,
-        "lower_bound_bytes": lower_bound_bytes(spec, old, new),
+        # Of what the plan may read: a recovery from ZeRO-1 trusts only the shards' holders.
+        "lower_bound_bytes": lower_bound_bytes(spec, source_layout(old, lost), new),
         "local_bytes": plan.local_bytes,
         "state_bytes": spec.state_bytes,
         "max_rank_send_bytes": max(sends.values(), default=0),

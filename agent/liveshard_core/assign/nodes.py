@@ -1,0 +1,120 @@
+"""Members on nodes: the two holders of each mirrored shard on different nodes.
+
+A mirrored layout (`Layout.mirror`) holds each ZeRO shard on a member of its shard group and on
+the next one, round, so a member's death loses no byte. A node's loss kills every member on it:
+it loses a shard when both of its holders were there. Who neighbours whom is the layout's member
+order, so `spread` orders the members a change is free to place (a first layout's, a change's
+joiners) to put as few *mirror pairs* (two members holding copies of one shard) on one node as
+it can, and keeps a tensor-parallel group on one node where that costs no pair.
+
+Method: the free ranks are filled in rank order, each with a member of the node that has the
+most members left among the nodes none of its already placed partners is on (a tp group's
+node first); then exchanges of two free ranks' members that lower the count are made while
+there are any (a local search: not proven minimal with fixed members, but minimal on a ring of
+free ranks, `2 * largest - n` pairs at least when one node has more than half the members).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Collection, Mapping, Sequence
+
+from ..layout.layout import Degrees, Layout
+
+_SWAP_PASSES = 4
+
+
+def mirror_pairs(shape: Layout | Degrees) -> list[tuple[int, int]]:
+    """The pairs of ranks that hold copies of one shard under `shape`: neighbours in each shard
+    group (a stage's and tp index's dp ranks; with ep > 1, each expert group too); none when
+    it is not mirrored."""
+    if not shape.mirror:
+        return []
+    dp, tp = shape.dp, shape.tp
+    groups = [range(dp), *(range(o, dp, shape.ep) for o in range(shape.ep) if shape.ep > 1)]
+    pairs: set[tuple[int, int]] = set()
+    for group in (g for g in groups if len(g) > 1):
+        for i, d in enumerate(group):
+            e = group[(i + 1) % len(group)]
+            for s in range(shape.pp):
+                for t in range(tp):
+                    a, b = (s * dp + d) * tp + t, (s * dp + e) * tp + t
+                    pairs.add((min(a, b), max(a, b)))
+    return sorted(pairs)
+
+
+def pairs_on_one_node(
+    shape: Layout | Degrees, members: Sequence[str], node_of: Mapping[str, str]
+) -> int:
+    """How many mirror pairs of `members` (in rank order) share a known node."""
+    nodes = [node_of.get(m, "") for m in members]
+    return sum(1 for a, b in mirror_pairs(shape) if nodes[a] and nodes[a] == nodes[b])
+
+
+def spread(
+    shape: Layout | Degrees,
+    members: Sequence[str],
+    fixed: Collection[str],
+    node_of: Mapping[str, str],
+) -> list[str]:
+    """`members` (in rank order) with those not in `fixed` reordered among their ranks so that
+    few mirror pairs share a node (module docstring). Members of no known node count as one
+    node each; among equal choices the given order is kept."""
+    pairs = mirror_pairs(shape)
+    free = [r for r, m in enumerate(members) if m not in fixed]
+    if not pairs or len(free) < 2:
+        return list(members)
+    partners: list[list[int]] = [[] for _ in members]
+    for a, b in pairs:
+        partners[a].append(b)
+        partners[b].append(a)
+    node = [node_of.get(m) or f"\0{m}" for m in members]  # unknown: a node of its own
+    out: list[str | None] = [None if r in free else m for r, m in enumerate(members)]
+    at: list[str | None] = [None if r in free else node[r] for r in range(len(members))]
+    waiting: dict[str, list[str]] = {}
+    for r in free:
+        waiting.setdefault(node[r], []).append(members[r])
+    left = Counter({n: len(ms) for n, ms in waiting.items()})  # nodes in order of first rank
+    for r in free:
+        taken = {at[p] for p in partners[r]}
+        allowed = [n for n in left if left[n] and n not in taken]
+        group_node = at[r - 1] if r % shape.tp else None  # the tp group's node so far
+        if group_node in allowed:
+            pick = group_node
+        else:
+            pick = max(allowed or [n for n in left if left[n]], key=left.__getitem__)
+        assert pick is not None
+        left[pick] -= 1
+        out[r], at[r] = waiting[pick].pop(0), pick
+    placed = [m for m in out if m is not None]
+    _improve(placed, [n for n in at if n is not None], free, partners)
+    return placed
+
+
+def _improve(
+    members: list[str], nodes: list[str], free: list[int], partners: list[list[int]]
+) -> None:
+    """Exchange two free ranks' members (in place) while an exchange lowers the pairs on one
+    node."""
+
+    def bad(r: int, n: str) -> int:
+        return sum(nodes[p] == n for p in partners[r])
+
+    for _ in range(_SWAP_PASSES):
+        changed = False
+        for r in free:
+            if not bad(r, nodes[r]):
+                continue
+            for s in free:
+                if nodes[s] == nodes[r]:
+                    continue
+                before = bad(r, nodes[r]) + bad(s, nodes[s])
+                nodes[r], nodes[s] = nodes[s], nodes[r]
+                after = bad(r, nodes[r]) + bad(s, nodes[s])
+                if after < before:
+                    members[r], members[s] = members[s], members[r]
+                    changed = True
+                    break
+                nodes[r], nodes[s] = nodes[s], nodes[r]
+        if not changed:
+            return

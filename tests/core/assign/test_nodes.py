@@ -1,0 +1,109 @@
+"""Members on nodes: the mirror pairs are the holders of each mirrored shard, and `spread` puts
+the fewest of them on one node (brute force on small worlds), moving only the free members."""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from liveshard_core.assign.nodes import mirror_pairs, pairs_on_one_node, spread
+from liveshard_core.layout.layout import Degrees
+from liveshard_core.layout.region import Geometry, place
+from liveshard_core.vps.spec import ModelSpec
+from tests.core.helpers import configs, degrees
+
+
+def _holder_pairs(spec: ModelSpec, shape: Degrees) -> set[tuple[int, int]]:
+    """The pairs of ranks of one stage and tp index that hold a cell of a mirrored shard, from
+    the layout's geometry."""
+    layout = shape.layout(spec, [str(i) for i in range(shape.world_size)])
+    out: set[tuple[int, int]] = set()
+    for param in spec.params:
+        for kind in spec.kinds:
+            geometry = Geometry(layout, place(spec, layout, param, kind))
+            if not geometry.mirrored:
+                continue
+            for cell in geometry.cells():
+                ranks = geometry.holders(cell).ranks()
+                for a, b in itertools.combinations(ranks, 2):
+                    pa, _, ta = layout.coords(a)
+                    pb, _, tb = layout.coords(b)
+                    if (pa, ta) == (pb, tb):
+                        out.add((a, b))
+    return out
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_the_mirror_pairs_are_the_two_holders_of_each_mirrored_shard(data: st.DataObject) -> None:
+    spec = ModelSpec.from_config(data.draw(configs()))
+    shape = data.draw(degrees(spec, 8))
+    assert set(mirror_pairs(shape)) == _holder_pairs(spec, shape)
+
+
+def test_mirror_pairs_by_hand() -> None:
+    assert mirror_pairs(Degrees(dp=4, zero=1, mirror=True)) == [(0, 1), (0, 3), (1, 2), (2, 3)]
+    assert mirror_pairs(Degrees(dp=2, tp=2, zero=3, mirror=True)) == [(0, 2), (1, 3)]
+    # Experts of ep=2 are sharded over dp ranks 0, 2 and 1, 3.
+    ep = mirror_pairs(Degrees(dp=4, ep=2, zero=1, mirror=True))
+    assert ep == [(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]
+    assert mirror_pairs(Degrees(dp=4, zero=1)) == []
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_spread_puts_the_fewest_mirror_pairs_on_one_node(data: st.DataObject) -> None:
+    spec = ModelSpec.from_config(data.draw(configs()))
+    shape = data.draw(degrees(spec, 7))
+    members = [f"m{i}" for i in range(shape.world_size)]
+    nodes = data.draw(st.lists(st.sampled_from("abcd"), min_size=len(members),
+                               max_size=len(members)))  # fmt: skip
+    node_of = dict(zip(members, nodes, strict=True))
+    fixed = set(data.draw(st.lists(st.sampled_from(members), unique=True)))
+    out = spread(shape, members, fixed, node_of)
+    assert sorted(out) == sorted(members)
+    assert all(out[r] == m for r, m in enumerate(members) if m in fixed)
+    free = [r for r, m in enumerate(members) if m not in fixed]
+    least = len(mirror_pairs(shape))
+    for order in itertools.permutations([members[r] for r in free]):
+        trial = list(members)
+        for r, m in zip(free, order, strict=True):
+            trial[r] = m
+        least = min(least, pairs_on_one_node(shape, trial, node_of))
+    got = pairs_on_one_node(shape, out, node_of)
+    assert got <= pairs_on_one_node(shape, members, node_of)
+    if not fixed:  # every member free: the least there is
+        assert got == least
+
+
+def test_spread_alternates_nodes_on_the_ring_and_keeps_tp_groups_on_a_node() -> None:
+    # Four members, two per node, listed node by node: a node's loss would take both holders
+    # of two shards.
+    members = ["a0", "a1", "b0", "b1"]
+    node_of = {m: m[0] for m in members}
+    ring = Degrees(dp=4, zero=1, mirror=True)
+    assert pairs_on_one_node(ring, members, node_of) == 2
+    out = spread(ring, members, (), node_of)
+    assert [node_of[m] for m in out] in (list("abab"), list("baba"))
+    # tp=2 groups of one node, their dp neighbours on the other.
+    grid = Degrees(dp=2, tp=2, zero=3, mirror=True)
+    out = spread(grid, ["a0", "b0", "a1", "b1"], (), node_of)
+    assert [node_of[m] for m in out] in (list("aabb"), list("bbaa"))
+    assert pairs_on_one_node(grid, out, node_of) == 0
+
+
+def test_spread_places_joiners_around_the_members_that_stay() -> None:
+    # Survivors a0 and b0 keep ranks 0 and 1; the joiners go where neither holder of a shard
+    # shares a node: a1 at rank 2, b1 at rank 3.
+    node_of = {"a0": "a", "b0": "b", "a1": "a", "b1": "b"}
+    out = spread(Degrees(dp=4, zero=1, mirror=True), ["a0", "b0", "b1", "a1"], {"a0", "b0"},
+                 node_of)  # fmt: skip
+    assert out == ["a0", "b0", "a1", "b1"]
+
+
+def test_members_of_no_known_node_and_layouts_without_a_mirror_are_left_in_order() -> None:
+    members = ["x", "y", "z", "w"]
+    assert spread(Degrees(dp=4, zero=1, mirror=True), members, (), {}) == members
+    assert spread(Degrees(dp=4, zero=1), members, (), dict.fromkeys(members, "a")) == members
