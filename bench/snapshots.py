@@ -1,16 +1,18 @@
-"""What mirrored ZeRO shards (`Layout.mirror`, a job's `faultTolerance.snapshots`) cost and what
-they buy, on local jobs of 4 processes (`liveshard-local`, gloo on CPU):
+"""What a mirrored layout (`Layout.mirror`, a job's `faultTolerance.snapshots`: ZeRO shards
+mirrored in their group, boxes without replicas copied by a peer) costs and what it buys, on local
+jobs of 4 processes (`liveshard-local`, gloo on CPU), in `--layout` (default `dp=4,zero=1`):
 - memory: the state bytes each member holds, with and without the mirror (exact, from the
   layout's regions);
 - step time: the median step of the same job with and without the mirror, runs alternated (4
   processes share this machine's cores, so a run's median moves by 10-20 % from run to run), and
-  what the mirror adds to it directly: one member's optimizer update, timed alone;
+  what the mirror adds to it directly: one member's optimizer update (its copies' too), timed
+  alone (a peer's gradient exchange is in the step time only);
 - a member killed without notice: from its death to the next step trained, recovered in memory
   from the mirrors, against the same job without them restarting from its last checkpoint (saved
   every `CHECKPOINT_EVERY` steps), and the steps each trains again; and killed after its update,
   before ZeRO-1 shares it (in memory too, the step kept).
 
-    python bench/snapshots.py [--quick] [--out bench/results/snapshots.json]
+    python bench/snapshots.py [--quick] [--layout DEGREES] [--out bench/results/snapshots.json]
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from liveshard_agent.runtime.trainer import initial_state
 from liveshard_agent.runtime.weights import Weights
 from liveshard_core.job import TrainingSettings
 from liveshard_core.layout.layout import Layout, parse_degrees
-from liveshard_core.vps.box import volume
+from liveshard_core.vps.box import box_shape, volume
 from liveshard_core.vps.presets import resolve_model
 from liveshard_core.vps.spec import DType, ModelSpec
 
@@ -79,17 +81,19 @@ def placed(layout: str) -> Layout:
 
 @torch.no_grad()
 def update_seconds(layout: str, repeat: int = 20) -> float:
-    """The fastest of `repeat` AdamW updates of rank 1's shards (its mirror's too) from given
-    gradients, in this process (no collective), on one torch thread as each member here."""
+    """The fastest of `repeat` AdamW updates of rank 1's shards (its mirror's and the copies it
+    holds for a peer too) from given gradients, in this process (no collective), on one torch
+    thread as each member here."""
     torch.set_num_threads(1)
     state = initial_state(model(), placed(layout), 1, 0, torch.device("cpu"))
     weights = Weights.build(state, world=None)  # type: ignore[arg-type]  # no collective here
     optimizer = Optimizer(weights, TrainingSettings())
     grads = {w.name: [torch.randn_like(t) for t in w.tensors] for w in weights.all()}
+    copies = [(p, box, torch.randn(box_shape(box))) for p, box in weights.peers.held()]
     fastest = float("inf")
     for _ in range(repeat):
         start = time.perf_counter()
-        optimizer.adam(weights.all(), grads, 0.5, 1e-3, 3)
+        optimizer.adam(weights.all(), grads, 0.5, 1e-3, 3, copies)
         fastest = min(fastest, time.perf_counter() - start)
     return fastest
 
@@ -131,29 +135,31 @@ def death(layout: str, steps: int, *extra: str, phase: str = "step") -> dict[str
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="short runs, one each")
+    parser.add_argument("--layout", default=LAYOUT, help="degrees of 4 ranks, without mirror")
     parser.add_argument("--out", default="bench/results/snapshots.json")
     args = parser.parse_args(argv)
     steps, repeats = (FIRST + 4, 1) if args.quick else (FIRST + 25, 5)
-    mirrored = f"{LAYOUT},mirror=1"
-    times: dict[str, list[float]] = {LAYOUT: [], mirrored: []}
+    layout = args.layout
+    mirrored = f"{layout},mirror=1"
+    times: dict[str, list[float]] = {layout: [], mirrored: []}
     for _ in range(repeats):  # alternated, so that the machine's drift hits both alike
-        for layout in times:
-            times[layout].append(median_step(layout, steps))
-    base, mirror = statistics.median(times[LAYOUT]), statistics.median(times[mirrored])
+        for degrees in times:
+            times[degrees].append(median_step(degrees, steps))
+    base, mirror = statistics.median(times[layout]), statistics.median(times[mirrored])
     end = KILL_STEP + 4
     with tempfile.TemporaryDirectory(prefix="liveshard-snapshots-") as folder:
-        restart = death(LAYOUT, end, "--checkpoint-dir", folder,
+        restart = death(layout, end, "--checkpoint-dir", folder,
                         "--checkpoint-every", str(CHECKPOINT_EVERY))  # fmt: skip
     out = {
         "machine": machine(f"4 processes, gloo, torch {torch.__version__}"),
-        "command": "python bench/snapshots.py" + (" --quick" if args.quick else ""),
-        "model": MODEL, "layout": LAYOUT,
-        "member_state_bytes": {"held once": member_bytes(LAYOUT),
+        "command": " ".join(["python bench/snapshots.py", *(argv or sys.argv[1:])]),
+        "model": MODEL, "layout": layout,
+        "member_state_bytes": {"held once": member_bytes(layout),
                                "mirrored": member_bytes(mirrored)},
         "step_seconds": {"held once": round(base, 4), "mirrored": round(mirror, 4),
                          "runs": {k: [round(v, 4) for v in vs] for k, vs in times.items()}},
         "step_overhead": round(mirror / base - 1, 4),
-        "optimizer_update_seconds": {"held once": round(update_seconds(LAYOUT), 5),
+        "optimizer_update_seconds": {"held once": round(update_seconds(layout), 5),
                                      "mirrored": round(update_seconds(mirrored), 5)},
         "member_killed": {"mirrored": death(mirrored, end),
                           "mirrored, after its update, before sharing it":

@@ -91,8 +91,7 @@ class Report:
 
 def _state_bytes(agents: list[pb.AgentStatus | None]) -> dict[str, int] | None:
     """The most training state a member of the world holds, and of it the most a mirrored
-    layout's copies of ZeRO shards add (`faultTolerance.snapshots`); None (removed) when no
-    member trains."""
+    layout's copies add (`faultTolerance.snapshots`); None (removed) when no member trains."""
     held = [a for a in agents if a is not None and a.state_bytes]
     if not held:
         return None

@@ -91,7 +91,7 @@ def degrees(draw: st.DrawFn, spec: ModelSpec, max_world: int = MAX_WORLD) -> Deg
     ep = draw(st.sampled_from(eps))
     zero = draw(st.sampled_from([0, 1, 3]))
     pp_layers = draw(st.one_of(st.none(), compositions(cfg.layers, pp)))
-    mirror = Layout.can_mirror(dp, zero) and draw(st.booleans())
+    mirror = Layout.can_mirror(dp, tp, pp, ep, zero) and draw(st.booleans())
     return Degrees(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, pp_layers=pp_layers, mirror=mirror)
 
 

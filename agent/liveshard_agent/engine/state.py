@@ -226,7 +226,8 @@ def state_bytes_of(spec: ModelSpec, layout: Layout, rank: int) -> int:
 
 def held_bytes_of(spec: ModelSpec, layout: Layout, rank: int) -> tuple[int, int]:
     """The bytes a rank holds under `layout` (`state_bytes_of`), and of them those of its
-    predecessor's ZeRO shards (a mirrored layout's copies, `Layout.mirror`; 0 without)."""
+    predecessor's ZeRO shards and its peer's boxes (a mirrored layout's copies, `Layout.mirror`;
+    0 without)."""
     held = state_bytes_of(spec, layout, rank)
     if not layout.mirror:
         return held, 0

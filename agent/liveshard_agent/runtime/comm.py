@@ -15,6 +15,7 @@ from typing import Any, cast
 import torch
 from torch.distributed import AllreduceOptions, AllToAllOptions, ReduceOp
 
+from ..engine import backend
 from ..engine.backend import Group
 
 
@@ -25,6 +26,26 @@ def all_reduce(tensor: torch.Tensor, group: Group, op: ReduceOp.RedOpType = Redu
     options = AllreduceOptions()
     options.reduceOp = op
     group.allreduce([tensor], options).wait()
+
+
+def exchange(
+    outgoing: dict[int, torch.Tensor],
+    incoming: dict[int, torch.Tensor],
+    group: Group,
+    device: torch.device,
+) -> None:
+    """Send `outgoing[r]` to member r of `group` and receive `incoming[r]` from member r: every
+    operation posted before any is waited for (one group call on NCCL), so members exchanging
+    round a ring cannot deadlock."""
+    coalesce = backend.coalesces(device)
+    if coalesce:
+        backend.start_coalescing(group, device)
+    works = [group.send([t], r, 0) for r, t in outgoing.items()]
+    works += [group.recv([t], r, 0) for r, t in incoming.items()]
+    if coalesce:
+        works = [backend.end_coalescing(group, device)]
+    for work in works:
+        work.wait()
 
 
 class _CopyToGroup(torch.autograd.Function):

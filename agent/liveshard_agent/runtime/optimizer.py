@@ -21,17 +21,26 @@ values the others summed. ZeRO-1's sharing of the updated parameter rows (`share
 the update: a world that breaks inside it leaves every shard's holders with the update and the
 other replicas' rows one step old, or new where its all-reduce completed; a recovery reads the
 parameters from their shard's holders (`plan.source_layout`), so the update stands.
+
+A mirrored layout's copies of boxes no replica holds (`weights.Peers`) are updated the same way:
+before the global norm's all-reduce, each rank sends the reduced gradients of those of its boxes
+to the peer that holds their copy, and receives those of the copies it holds. A member that
+completes the all-reduce knows every member entered it, so every copy's gradients have arrived:
+whoever updates, the copies can be updated too (in the same call, bit for bit as the holder's),
+and an update cut in the all-reduce finishes them with the rest.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from liveshard_core.job import TrainingSettings
-from liveshard_core.vps.spec import StateKind
+from liveshard_core.vps.box import Box, box_shape, volume
+from liveshard_core.vps.spec import Param, StateKind
 
 from ..engine.backend import AdamStep, Group, adamw_all, copy_all
 from ..engine.world import Axis
@@ -51,6 +60,7 @@ class _Unfinished:
     """An update whose gradients are reduced but whose all-reduce did not complete here."""
 
     grads: dict[str, list[torch.Tensor]]
+    copies: list[torch.Tensor]  # the gradients of the copies held for peers (`Peers.held`)
     step: int
     adam_step: int
 
@@ -96,11 +106,12 @@ class Optimizer:
         for w in weights.all():
             for t in w.tensors:
                 t.grad = None
+        copies = self._exchange(grads)
         values = self._norm_squares(grads, totals)
-        self.unfinished = _Unfinished(grads, step, adam_step)
+        self.unfinished = _Unfinished(grads, copies, step, adam_step)
         comm.all_reduce(values, world.group(Axis.WORLD))
         self.unfinished = None
-        return self._apply(grads, tuple(values.tolist()), step, adam_step)
+        return self._apply(grads, copies, tuple(values.tolist()), step, adam_step)
 
     def finish(self, summed: tuple[float, ...]) -> UpdateStats:
         """Complete the update cut in its all-reduce with the values the others summed (the
@@ -110,11 +121,40 @@ class Optimizer:
         if unfinished is None or not self.can_finish:
             raise RuntimeError("no update to finish here")
         self.unfinished = None
-        return self._apply(unfinished.grads, summed, unfinished.step, unfinished.adam_step)
+        return self._apply(
+            unfinished.grads, unfinished.copies, summed, unfinished.step, unfinished.adam_step
+        )
+
+    def _exchange(self, grads: dict[str, list[torch.Tensor]]) -> list[torch.Tensor]:
+        """Send the reduced gradients of this rank's boxes whose copy a peer holds, and receive
+        those of the copies it holds (`Peers`); the received, one per copy, in `Peers.held`
+        order."""
+        peers, weights = self.weights.peers, self.weights
+        if not peers.sends and not peers.copies:
+            return []
+        outgoing = {
+            dst: torch.cat([
+                box_view(weights[p.name].boxes, grads[p.name], box).reshape(-1) for p, box in route
+            ])
+            for dst, route in peers.sends.items()
+        }  # fmt: skip
+        device = weights.state.device
+        incoming = {
+            src: torch.empty(sum(volume(box) for _, box in route), device=device)
+            for src, route in peers.copies.items()
+        }
+        comm.exchange(outgoing, incoming, weights.world.group(Axis.WORLD), device)
+        out: list[torch.Tensor] = []
+        for src, route in peers.copies.items():
+            offset = 0
+            for _, box in route:
+                out.append(incoming[src][offset : offset + volume(box)].view(box_shape(box)))
+                offset += volume(box)
+        return out
 
     def _apply(
-        self, grads: dict[str, list[torch.Tensor]], summed: tuple[float, ...], step: int,
-        adam_step: int,
+        self, grads: dict[str, list[torch.Tensor]], copies: list[torch.Tensor],
+        summed: tuple[float, ...], step: int, adam_step: int,
     ) -> UpdateStats:  # fmt: skip
         self.summed = summed
         norm = math.sqrt(summed[0])
@@ -122,7 +162,12 @@ class Optimizer:
         scale = min(1.0, self.settings.clip_norm / (norm + 1e-6))
         lr = self.settings.learning_rate(step)
         trained = [w for w in self.weights.all() if not self.settings.frozen(step, w.param)]
-        self.adam(trained, grads, scale, lr, adam_step)  # a frozen weight keeps its state
+        held = [
+            (param, box, grad)
+            for (param, box), grad in zip(self.weights.peers.held(), copies, strict=True)
+            if not self.settings.frozen(step, param)
+        ]
+        self.adam(trained, grads, scale, lr, adam_step, held)  # a frozen weight keeps its state
         self.updating = False
         return UpdateStats(norm, lr, summed[1:])
 
@@ -146,11 +191,12 @@ class Optimizer:
 
     def adam(
         self, weights: list[Weight], grads: dict[str, list[torch.Tensor]], scale: float,
-        lr: float, adam_step: int,
+        lr: float, adam_step: int, copies: Sequence[tuple[Param, Box, torch.Tensor]] = (),
     ) -> None:  # fmt: skip
-        """AdamW on every shard of `weights` (a mirrored layout's predecessor's shards too), each
-        operation on all of them at once (`backend.adamw_all`): per element the same arithmetic
-        as one shard at a time, so the two copies of a mirrored shard stay equal bit for bit."""
+        """AdamW on every shard of `weights` (a mirrored layout's predecessor's shards too) and
+        on the `copies` held for peers (each with its gradient), each operation on all of them
+        at once (`backend.adamw_all`): per element the same arithmetic as one shard at a time,
+        so the two copies of a mirrored box stay equal bit for bit."""
         s, state, spec = self.settings, self.weights.state, self.weights.spec
         g: list[torch.Tensor] = []
         m: list[torch.Tensor] = []
@@ -158,20 +204,24 @@ class Optimizer:
         values: list[torch.Tensor] = []
         params: list[torch.Tensor] = []
         decayed: list[torch.Tensor] = []
-        for w in weights:
-            for shard in w.shards:
-                g.append(box_view(w.boxes, grads[w.name], shard))
-                m.append(state.view(spec.ref(w.name, StateKind.EXP_AVG), shard))
-                v.append(state.view(spec.ref(w.name, StateKind.EXP_AVG_SQ), shard))
-                param = self.weights.param_view(w, shard)
-                value = (
-                    state.view(spec.ref(w.name, StateKind.MASTER), shard)
-                    if self.has_master else param
-                )  # fmt: skip
-                values.append(value)
-                params.append(param)
-                if len(w.param.shape) >= 2:
-                    decayed.append(value)
+        pieces = [
+            (w.param, shard, box_view(w.boxes, grads[w.name], shard))
+            for w in weights
+            for shard in w.shards
+        ]
+        for param, box, grad in [*pieces, *copies]:
+            g.append(grad)
+            m.append(state.view(spec.ref(param.name, StateKind.EXP_AVG), box))
+            v.append(state.view(spec.ref(param.name, StateKind.EXP_AVG_SQ), box))
+            stored = state.view(spec.ref(param.name), box)
+            value = (
+                state.view(spec.ref(param.name, StateKind.MASTER), box)
+                if self.has_master else stored
+            )  # fmt: skip
+            values.append(value)
+            params.append(stored)
+            if len(param.shape) >= 2:
+                decayed.append(value)
         step = AdamStep(scale, lr, s.beta1, s.beta2, s.eps, s.weight_decay, adam_step)
         adamw_all(g, m, v, values, decayed, step)
         if self.has_master:

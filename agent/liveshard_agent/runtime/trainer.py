@@ -141,8 +141,8 @@ class Trainer:
         return self.state.layout
 
     def held_bytes(self) -> tuple[int, int]:
-        """The state bytes this member holds, and of them its predecessor's mirrored ZeRO
-        shards' (`Layout.mirror`): what the mirror costs it."""
+        """The state bytes this member holds, and of them the copies it holds for others (its
+        predecessor's ZeRO shards, a peer's boxes: `Layout.mirror`): what the mirror costs it."""
         if self._held is None:
             # From the geometry: the storage may be released by a switch meanwhile.
             self._held = held_bytes_of(self.state.spec, self.state.layout, self.state.rank)

@@ -11,6 +11,12 @@ shards of the rank's data-parallel group before each step.
 A weight's gradient is summed over its data-parallel replicas: the dp group, or the expert-dp
 group for experts. Replicated weights that each tp rank sees part of (q and k norms) are summed
 over tp first, and a tied embedding held by the first and the last stage over both.
+
+A mirrored layout without replicas (dp = 1, experts of ep = dp) has each box its holder
+computes with held also by the holder's *peer* (`region.place`). The peer computes nothing with
+it: `Peers` says which boxes this rank sends the gradients of, to whom, and which copies it
+holds, from whom; the optimizer updates a copy from the gradients its holder sent, as the
+holder updates its box.
 """
 
 from __future__ import annotations
@@ -67,6 +73,45 @@ class Weight:
         return sum(t.numel() for t in self.tensors)
 
 
+Route = list[tuple[Param, Box]]
+"""Boxes of some parameters, in parameter order and each parameter's boxes in ordinal order: what
+one message between a rank and its peer carries."""
+
+
+@dataclass
+class Peers:
+    """The copies of a mirrored layout's boxes no replica holds, from this rank's side: the boxes
+    it computes with whose copy another rank holds (`sends`, by that rank), and the copies it
+    holds (`copies`, by the rank that computes with them)."""
+
+    sends: dict[int, Route] = field(default_factory=dict)
+    copies: dict[int, Route] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, spec: ModelSpec, layout: Layout, rank: int) -> Peers:
+        out = cls()
+        if not layout.mirror:
+            return out
+        for param in spec.params:
+            shared = place(spec, layout, param, StateKind.EXP_AVG)
+            alone = place(spec, layout, param, StateKind.EXP_AVG, peer=False)
+            if shared == alone:
+                continue
+            owners = dict(partition(layout, alone))
+            for box, holders in partition(layout, shared):
+                (owner,) = owners[box]
+                (peer,) = set(holders) - {owner}
+                if rank == owner:
+                    out.sends.setdefault(peer, []).append((param, box))
+                elif rank == peer:
+                    out.copies.setdefault(owner, []).append((param, box))
+        return out
+
+    def held(self) -> Route:
+        """Every copy this rank holds."""
+        return [item for route in self.copies.values() for item in route]
+
+
 @dataclass
 class Weights:
     """Every weight of this rank's stage, by name, with the layout's geometry."""
@@ -77,15 +122,17 @@ class Weights:
     state: ShardedState
     world: World
     by_name: dict[str, Weight] = field(default_factory=dict)
+    peers: Peers = field(default_factory=Peers)
 
     @classmethod
     def build(cls, state: ShardedState, world: World) -> Weights:
         spec, layout, rank = state.spec, state.layout, state.rank
-        out = cls(spec, layout, rank, state, world)
+        out = cls(spec, layout, rank, state, world, peers=Peers.build(spec, layout, rank))
         zero3 = layout.zero >= 3
         unmirrored = dataclasses.replace(layout, mirror=False)
         for index, param in enumerate(spec.params):
-            param_place = place(spec, layout, param, StateKind.PARAM)
+            # What this rank computes with: its boxes without the copies it holds for a peer.
+            param_place = place(spec, layout, param, StateKind.PARAM, peer=False)
             local = rank_boxes(layout, dataclasses.replace(param_place, sharded=False), rank)
             if not local:
                 continue
@@ -95,10 +142,11 @@ class Weights:
                     torch.zeros(box_shape(box), dtype=dtype, device=state.device) for box in local
                 ]
             else:  # the state's own parameter boxes (shared storage)
-                tensors = [t.detach() for _, t in state.boxes_of(spec.ref(param.name))]
+                held = dict(state.boxes_of(spec.ref(param.name)))
+                tensors = [held[box].detach() for box in local]
             for t in tensors:
                 t.requires_grad_(True)
-            opt_place = place(spec, layout, param, StateKind.EXP_AVG)
+            opt_place = place(spec, layout, param, StateKind.EXP_AVG, peer=False)
             shards = rank_boxes(layout, opt_place, rank)
             own = rank_boxes(unmirrored, opt_place, rank) if layout.mirror else shards
             designated = {

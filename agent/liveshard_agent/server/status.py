@@ -63,7 +63,7 @@ class Observed:
     pending: PendingView | None = None
     checkpoint_due: int | None = None  # the number of a checkpoint asked for and not yet saved
     state_bytes: int = 0  # the training state it holds (0: none, standing by)
-    mirrored_bytes: int = 0  # of it, its predecessor's ZeRO shards (`Layout.mirror`)
+    mirrored_bytes: int = 0  # of it, the copies it holds for others (`Layout.mirror`)
 
 
 class ClaimKind(Enum):

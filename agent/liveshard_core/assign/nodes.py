@@ -25,21 +25,35 @@ _SWAP_PASSES = 4
 
 
 def mirror_pairs(shape: Layout | Degrees) -> list[tuple[int, int]]:
-    """The pairs of ranks that hold copies of one shard under `shape`: neighbours in each shard
-    group (a stage's and tp index's dp ranks; with ep > 1, each expert group too); none when
-    it is not mirrored."""
+    """The pairs of ranks that hold a box and its mirror's copy under `shape` (`Layout.mirror`):
+    neighbours in each ZeRO shard group (a stage's and tp index's dp ranks; with ep > 1, each
+    expert group too), and a box's holder and its peer where no replica holds it (dp = 1: along
+    tp, else pp; experts of ep = dp: along tp, else dp); none when it is not mirrored."""
     if not shape.mirror:
         return []
-    dp, tp = shape.dp, shape.tp
-    groups = [range(dp), *(range(o, dp, shape.ep) for o in range(shape.ep) if shape.ep > 1)]
+    dp, tp, pp, ep = shape.dp, shape.tp, shape.pp, shape.ep
+    steps: list[tuple[int, int, int]] = []  # (pp, dp, tp) offsets from a holder to its copy's
+    groups: list[range] = []
+    if shape.zero > 0:
+        groups = [range(dp), *(range(o, dp, ep) for o in range(ep) if ep > 1)]
+    if dp == 1 or ep == dp:
+        steps.append((0, 0, 1) if tp > 1 else (0, 1, 0) if dp > 1 else (1, 0, 0))
     pairs: set[tuple[int, int]] = set()
-    for group in (g for g in groups if len(g) > 1):
-        for i, d in enumerate(group):
-            e = group[(i + 1) % len(group)]
-            for s in range(shape.pp):
-                for t in range(tp):
-                    a, b = (s * dp + d) * tp + t, (s * dp + e) * tp + t
-                    pairs.add((min(a, b), max(a, b)))
+
+    def add(s: int, d: int, t: int, step: tuple[int, int, int]) -> None:
+        a = (s * dp + d) * tp + t
+        b = (((s + step[0]) % pp) * dp + (d + step[1]) % dp) * tp + (t + step[2]) % tp
+        if a != b:
+            pairs.add((min(a, b), max(a, b)))
+
+    for s in range(pp):
+        for t in range(tp):
+            for group in (g for g in groups if len(g) > 1):
+                for i, d in enumerate(group):
+                    add(s, d, t, (0, group[(i + 1) % len(group)] - d, 0))
+            for d in range(dp):
+                for step in steps:
+                    add(s, d, t, step)
     return sorted(pairs)
 
 

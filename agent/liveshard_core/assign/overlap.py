@@ -29,7 +29,14 @@ import numpy as np
 import numpy.typing as npt
 
 from ..layout.layout import Layout
-from ..layout.region import Placed, shard_dps, tp_local_boxes, zero_shard_boxes
+from ..layout.region import (
+    Placed,
+    holder_dps,
+    holder_eps,
+    holder_tps,
+    tp_local_boxes,
+    zero_shard_boxes,
+)
 from ..plan.classes import tensor_classes
 from ..vps.box import Box, Interval, intersect, is_empty, volume
 from ..vps.spec import ModelSpec
@@ -97,15 +104,16 @@ def _side(layout: Layout, placed: Placed) -> _Side:
     owner = placed.ep_owner
     group = range(layout.dp) if owner is None else range(owner, layout.dp, layout.ep)
     tp_keys: list[int | None] = list(range(layout.tp)) if placed.split_dim is not None else [None]
-    eps = range(layout.ep) if placed.ep_owner is None else (placed.ep_owner,)
+    eps = holder_eps(layout, placed)
     boxes, who = [], []
     for tp_key in tp_keys:
-        tps = range(layout.tp) if tp_key is None else (tp_key,)
+        tps = holder_tps(layout, placed, tp_key)
         local = tp_local_boxes(placed, layout.tp, tp_key)
         if placed.sharded:
             mirrored = layout.mirror and len(group) > 1
             for z in range(len(group)):
-                ranks = [layout.rank(0, d, t) for d in shard_dps(group, z, mirrored) for t in tps]
+                dps = holder_dps(layout, placed, group, z, mirrored)
+                ranks = [layout.rank(0, d, t) for d in dps for t in tps]
                 for box in zero_shard_boxes(placed, local, len(group), z):
                     if not is_empty(box):
                         boxes.append(box)

@@ -5,8 +5,10 @@ Conventions (docs/layouts.md states them in full):
 - ep is carved out of dp: a rank's ep rank is `dp_i % ep`;
 - `pp_layers` gives the number of transformer layers per stage; by default the first
   `layers % pp` stages hold one extra layer;
-- `mirror` (ZeRO only): each ZeRO shard is also held by the next member of its shard group, in
-  dp order and round, so no byte of the state has a single holder (`region.Geometry`).
+- `mirror`: no byte of the state has a single holder. Each ZeRO shard is also held by the next
+  member of its shard group, in dp order and round; a box that no replica holds (any box of a
+  layout with dp = 1, an expert of ep = dp) is also held by the next member along tp (a split
+  tensor), along dp (an expert) or along pp, round (`region.place`, `region.Geometry`).
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ class Layout:
     mirror: bool = False
 
     @staticmethod
-    def can_mirror(dp: int, zero: int) -> bool:
-        """Whether ZeRO shards have another member to be mirrored by."""
-        return zero > 0 and dp >= 2
+    def can_mirror(dp: int, tp: int, pp: int, ep: int, zero: int) -> bool:
+        """Whether some byte has a single holder and another member to be mirrored by: ZeRO
+        shards over dp >= 2, the boxes of a layout with dp = 1 on several members, experts of
+        ep = dp >= 2."""
+        return (zero > 0 and dp >= 2) or (dp == 1 and tp * pp >= 2) or ep == dp >= 2
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "ep"):
@@ -65,10 +69,11 @@ class Layout:
             raise InvalidInput("layout: a member appears twice in the member list")
         if type(self.mirror) is not bool:
             raise InvalidInput(f"layout: mirror={self.mirror!r} must be a boolean")
-        if self.mirror and not self.can_mirror(self.dp, self.zero):
+        if self.mirror and not self.can_mirror(self.dp, self.tp, self.pp, self.ep, self.zero):
             raise InvalidInput(
-                f"layout: mirror needs ZeRO shards with another holder to take them (zero=1 or 3 "
-                f"and dp >= 2), not zero={self.zero}, dp={self.dp}"
+                f"layout: mirror needs bytes held once and another member to take them (ZeRO "
+                f"shards over dp >= 2, dp=1 on several members, or experts of ep=dp >= 2), not "
+                f"{self.describe()}"
             )
 
     @classmethod
@@ -179,12 +184,14 @@ class Degrees:
         return self.dp * self.tp * self.pp
 
     def repartitioned(self, pp_layers: tuple[int, ...]) -> Degrees:
-        """These degrees with the pipeline partition `pp_layers` (and as many stages)."""
-        return replace(self, pp=len(pp_layers), pp_layers=tuple(pp_layers))
+        """These degrees with the pipeline partition `pp_layers` (and as many stages), mirrored
+        as they were where they still can be (one stage of dp = 1 has no one to mirror it)."""
+        return replace(self, pp=len(pp_layers), pp_layers=tuple(pp_layers)).mirrored(self.mirror)
 
     def mirrored(self, wanted: bool) -> Degrees:
-        """These degrees with ZeRO shards mirrored when `wanted` and they can be."""
-        return replace(self, mirror=wanted and Layout.can_mirror(self.dp, self.zero))
+        """These degrees mirrored (`Layout.mirror`) when `wanted` and some byte is held once."""
+        can = Layout.can_mirror(self.dp, self.tp, self.pp, self.ep, self.zero)
+        return replace(self, mirror=wanted and can)
 
     def describe(self) -> str:
         """In the command-line syntax (`parse_degrees` reads it back)."""

@@ -6,7 +6,10 @@ group for experts), `torch.chunk` style. A fused dimension is split part by part
 shard of a fused dim-0 tensor is a contiguous run of the local concatenation, so it may be two
 boxes. A mirrored layout (`Layout.mirror`) has each ZeRO shard held also by the next member of
 its group (shard z by group members z and z + 1, round), so a rank holds two cells of a sharded
-tensor: its own shard and its predecessor's.
+tensor: its own shard and its predecessor's. A box no replica holds (a layout with dp = 1, an
+expert of ep = dp) is held there also by its holder's *peer*, the next member along one axis,
+round: tp for a split tensor (`Placed.peer == "tp"`), dp for an expert (`"ep"`: ep = dp, so the
+next ep rank), else pp (the placement's stages are then two).
 
 Everything a tensor's boxes depend on is its `Placed` value; tensors with equal `Placed` values
 under a layout have equal regions, which is what lets plans be computed once per class of tensors.
@@ -21,7 +24,7 @@ fused part), so that any member computes the same one for it; boxes are listed i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from ..vps.box import Box, chunk, full_box, intersect, is_empty, replace_dim
@@ -39,6 +42,7 @@ class Placed:
     sharded: bool  # ZeRO shards it across the dp (or expert-dp) group
     stages: tuple[int, ...]  # the pipeline stages that hold it
     ep_owner: int | None  # for an expert: the ep rank that holds it
+    peer: str = ""  # held once, mirrored by the next member along "tp" or "ep" (module docstring)
 
 
 def stages_of(layout: Layout, param: Param) -> tuple[int, ...]:
@@ -60,9 +64,12 @@ def owner_of(spec: ModelSpec, layout: Layout, param: Param) -> int | None:
     return param.expert // (spec.config.experts // layout.ep)
 
 
-def place(spec: ModelSpec, layout: Layout, param: Param, kind: StateKind) -> Placed:
-    """The placement of `param`'s `kind` tensor under `layout`."""
-    return Placed(
+def place(
+    spec: ModelSpec, layout: Layout, param: Param, kind: StateKind, peer: bool = True
+) -> Placed:
+    """The placement of `param`'s `kind` tensor under `layout`; with `peer` False, without the
+    copy a mirrored layout gives a box no replica holds (what its holder computes with)."""
+    placed = Placed(
         param.shape,
         param.split_dim,
         param.parts,
@@ -70,6 +77,23 @@ def place(spec: ModelSpec, layout: Layout, param: Param, kind: StateKind) -> Pla
         stages_of(layout, param),
         owner_of(spec, layout, param),
     )
+    return _with_peer(layout, placed) if peer and layout.mirror else placed
+
+
+def _with_peer(layout: Layout, placed: Placed) -> Placed:
+    """`placed` with its boxes held also by their holder's peer when no one else holds them."""
+    group = layout.dp if placed.ep_owner is None else layout.dp // layout.ep
+    split = placed.split_dim is not None
+    if len(placed.stages) > 1 or group > 1 or (layout.tp > 1 and not split):
+        return placed  # replicas hold it, or ZeRO shards over a group that mirrors them
+    if split and layout.tp > 1:
+        return replace(placed, peer="tp")
+    if layout.dp > 1:  # an expert of ep = dp
+        return replace(placed, peer="ep")
+    if layout.pp > 1:
+        (stage,) = placed.stages
+        return replace(placed, stages=tuple(sorted({stage, (stage + 1) % layout.pp})))
+    return placed
 
 
 def tp_local_boxes(placed: Placed, tp: int, tp_i: int | None) -> list[Box]:
@@ -155,13 +179,42 @@ Cell = tuple[int, int]
 boxes of one cell have the same holders."""
 
 
+def pair(a: int, b: int) -> range:
+    """Two distinct indices in order, as a range."""
+    a, b = sorted((a, b))
+    return range(a, b + 1, b - a)
+
+
 def shard_dps(group: range, z: int, mirrored: bool) -> range:
     """The dp indices that hold ZeRO shard `z` of a shard `group`: its member of the group, and
-    when `mirrored` the next one, round (two indices in order are a range)."""
+    when `mirrored` the next one, round."""
     if not mirrored:
         return group[z : z + 1]
-    a, b = sorted((group[z], group[(z + 1) % len(group)]))
-    return range(a, b + 1, b - a)
+    return pair(group[z], group[(z + 1) % len(group)])
+
+
+def holder_dps(layout: Layout, placed: Placed, group: range, z: int, mirrored: bool) -> range:
+    """The dp indices that hold the boxes of ZeRO shard `z` (0 when not sharded) of a tensor
+    whose dp (or expert-dp) group is `group`."""
+    if placed.peer == "ep":
+        return pair(group[0], (group[0] + 1) % layout.dp)
+    return shard_dps(group, z, mirrored) if placed.sharded else group
+
+
+def holder_eps(layout: Layout, placed: Placed) -> range:
+    """The ep ranks that hold the tensor: every one, or an expert's owner (and the next, round,
+    when it mirrors it)."""
+    owner = placed.ep_owner
+    if owner is None:
+        return range(layout.ep)
+    return pair(owner, (owner + 1) % layout.ep) if placed.peer == "ep" else range(owner, owner + 1)
+
+
+def holder_tps(layout: Layout, placed: Placed, t: int | None) -> range:
+    """The tp indices that hold the boxes of tp index `t` (None: a tensor not split)."""
+    if t is None:
+        return range(layout.tp)
+    return pair(t, (t + 1) % layout.tp) if placed.peer == "tp" else range(t, t + 1)
 
 
 class Geometry:
@@ -188,14 +241,11 @@ class Geometry:
     def holders(self, cell: Cell) -> Holders:
         if cell not in self._holders:
             t, z = cell
-            layout = self.layout
-            dps = self._shard_dps(z) if self.placed.sharded else self.group
-            tps = range(t, t + 1) if self.split else range(layout.tp)
-            self._holders[cell] = Holders(self.placed.stages, dps, tps, layout.dp, layout.tp)
+            layout, placed = self.layout, self.placed
+            dps = holder_dps(layout, placed, self.group, z, self.mirrored)
+            tps = holder_tps(layout, placed, t if self.split else None)
+            self._holders[cell] = Holders(placed.stages, dps, tps, layout.dp, layout.tp)
         return self._holders[cell]
-
-    def _shard_dps(self, z: int) -> range:
-        return shard_dps(self.group, z, self.mirrored)
 
     def _local(self, t: int) -> list[Box]:
         """The boxes of tp index `t` before ZeRO shards them (any tp index, when not split)."""
@@ -210,17 +260,17 @@ class Geometry:
         layout, stages = self.layout, self.placed.stages
         dp, tp = layout.dp, layout.tp
         tps = range(tp) if self.split else range(1)
-        if self.placed.sharded:
+        if self.placed.sharded and not self.placed.peer:
             every = range(1) if self.split else range(tp)
             return {
                 (t, z): tuple(
-                    (s * dp + d) * tp + t + u for s in stages for d in self._shard_dps(z)
-                    for u in every
+                    (s * dp + d) * tp + t + u for s in stages
+                    for d in shard_dps(self.group, z, self.mirrored) for u in every
                 )
                 for t in tps
                 for z in range(self.shards)
             }  # fmt: skip
-        return {(t, 0): self.holders((t, 0)).ranks() for t in tps}
+        return {cell: self.holders(cell).ranks() for cell in self.cells()}
 
     def boxes(self, cell: Cell) -> list[tuple[int, Box]]:
         """(ordinal, box) of the non-empty boxes of `cell`."""
@@ -243,12 +293,17 @@ class Geometry:
 
     def cells_of(self, rank: int) -> list[Cell]:
         """The cells whose boxes `rank` holds, in ordinal order: one, or, mirrored, its own
-        shard's and its predecessor's; none when it holds no box of the tensor."""
-        pp_i, dp_i, tp_i = self.layout.coords(rank)
-        if pp_i not in self.placed.stages or dp_i not in self.group:
+        shard's and its predecessor's (its tp predecessor's, for a peer along tp); none when it
+        holds no box of the tensor."""
+        layout, placed = self.layout, self.placed
+        pp_i, dp_i, tp_i = layout.coords(rank)
+        dps = holder_dps(layout, placed, self.group, 0, False) if placed.peer else self.group
+        if pp_i not in placed.stages or dp_i not in dps:
             return []
         t = tp_i if self.split else 0
-        if not self.placed.sharded:
+        if placed.peer == "tp":
+            return sorted({(t, 0), ((t - 1) % layout.tp, 0)})
+        if not placed.sharded or placed.peer:
             return [(t, 0)]
         z = self.group.index(dp_i)
         if not self.mirrored:

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import InvalidInput
 from ..layout.layout import Layout
-from ..layout.region import Placed
+from ..layout.region import Placed, holder_eps
 from ..vps.box import Box, replace_dim, volume
 from ..vps.spec import ModelSpec, TensorRef
 from .classes import TensorClass
@@ -267,8 +267,8 @@ def _touches(layout: Layout, placed: Placed, seat: int) -> bool:
     """Whether members in `seat` of `layout` hold (or need) the tensors placed `placed`."""
     if not seat:
         return False
-    stage, owner = divmod(seat - 1, layout.ep)
-    return stage in placed.stages and placed.ep_owner in (None, owner)
+    stage, ep_i = divmod(seat - 1, layout.ep)
+    return stage in placed.stages and ep_i in holder_eps(layout, placed)
 
 
 @dataclass(frozen=True)

@@ -163,11 +163,14 @@ def estimate(
         dense = load.params - load.expert_params
         shard3 = dense / dp + load.expert_params / (dp // ep) if layout.zero >= 3 else load.params
         shard1 = dense / dp + load.expert_params / (dp // ep) if layout.zero >= 1 else load.params
-        mirror = 2 if layout.mirror else 1  # a mirrored layout holds its predecessor's shard too
+        # A mirrored layout holds its predecessor's ZeRO shards too, and without replicas
+        # (dp = 1) its peer's boxes (experts of ep = dp are left out: a small part).
+        mirror = 2 if layout.mirror else 1
+        once = dp == 1
         parts = {
-            "params": int(param_bytes * shard3 * (mirror if layout.zero >= 3 else 1)),
+            "params": int(param_bytes * shard3 * (mirror if layout.zero >= 3 or once else 1)),
             "grads": int(param_bytes * shard3),
-            "optimizer": int(optimizer_bytes * shard1 * mirror),
+            "optimizer": int(optimizer_bytes * shard1 * (mirror if layout.zero or once else 1)),
             "activations": int(
                 load.layers * token_layer * min(pp - s, max(m, 1))
                 + (4 * work.seq_len * work.micro_batch * cfg.vocab / tp if s == pp - 1 else 0)
@@ -220,10 +223,13 @@ def state_bytes_per_layer(spec: ModelSpec, layout: Layout) -> tuple[tuple[int, .
         if p.expert is not None:
             n /= layout.ep
             group = layout.dp // layout.ep
-        copies = 2 if layout.mirror and group > 1 else 1  # a mirrored shard is held twice
-        params = param_bytes * (copies / group if layout.zero >= 3 else 1)
+        # A mirrored shard is held twice, and so is a box no replica holds (its peer's copy).
+        tied = p.placement is Placement.FIRST_AND_LAST and layout.pp > 1  # two stages hold it
+        once = group == 1 and (p.split_dim is not None or layout.tp == 1) and not tied
+        copies = 2 if layout.mirror and (group > 1 or once) else 1
+        params = param_bytes * (copies / group if layout.zero >= 3 or once else 1)
         grads = param_bytes / (group if layout.zero >= 3 else 1)
-        optimizer = optimizer_bytes * (copies / group if layout.zero >= 1 else 1)
+        optimizer = optimizer_bytes * (copies / group if layout.zero >= 1 or once else 1)
         b = n * (params + grads + optimizer)
         if p.layer is not None:
             layers[p.layer] += b

@@ -67,6 +67,15 @@ def test_a_mirrored_member_of_two_holds_both_shards(zero: int) -> None:
         )
 
 
+def test_a_pipeline_of_two_without_replicas_mirrored_holds_the_whole_state_each() -> None:
+    # pp=2, dp=1: each stage's boxes are held also by the other stage's member (its peer).
+    mirrored = Layout.create(TINY, names(2), pp=2, mirror=True)
+    plain = Layout.create(TINY, names(2), pp=2)
+    for rank in range(2):
+        own = state_bytes_of(TINY, plain, rank)
+        assert held_bytes_of(TINY, mirrored, rank) == (TINY.state_bytes, TINY.state_bytes - own)
+
+
 def test_fp32_model_has_no_master_copy() -> None:
     spec = ModelSpec.from_config(dataclasses.replace(TINY.config, param_dtype=DType.FP32))
     state = ShardedState.seeded(spec, Layout.create(spec, ["solo"]), 0, 5, CPU)

@@ -66,6 +66,14 @@ SCENARIOS = {
                                                    ("6:0", "6:2"), ()),
     "expert shards mirrored in their expert-dp group": ("tiny-moe", "dp=4,ep=2,zero=1,mirror=1",
                                                         ("5:1",), ()),
+    # No replicas (dp = 1, experts of ep = dp): the next member along tp, dp or pp holds each box
+    # too, and updates it from the gradients its holder sends.
+    "tp and pp without replicas, from the tp peer, then a switch": (
+        "tiny", "tp=2,pp=2,zero=3,mirror=1", ("6:2",), ("12:pp=4,mirror=1",)),
+    "pp without replicas, killed after its update": ("tiny", "pp=3,mirror=1", ("6:0:update",),
+                                                     ()),
+    "experts of ep = dp, from the next ep rank": ("tiny-moe", "dp=2,ep=2,zero=1,mirror=1",
+                                                 ("5:1",), ()),
     # Killed between its update and ZeRO-1's sharing of it: every survivor holds the step in
     # its shards and the step before in the other rows; the recovery reads those from the shards.
     "ZeRO-1 mirrored, a member dies before sharing its update": (

@@ -10,8 +10,12 @@ from liveshard_agent.data.corpus import builtin_corpus  # noqa: E402
 from liveshard_agent.runtime import rng  # noqa: E402
 from liveshard_agent.runtime.data import Dataset, job_dataset, load_corpus  # noqa: E402
 from liveshard_agent.runtime.model import dropout_keep  # noqa: E402
-from liveshard_agent.runtime.trainer import Scalars  # noqa: E402
+from liveshard_agent.runtime.optimizer import Optimizer  # noqa: E402
+from liveshard_agent.runtime.trainer import Scalars, initial_state  # noqa: E402
+from liveshard_agent.runtime.weights import Peers, Weights, box_view  # noqa: E402
 from liveshard_core.job import TrainingSettings  # noqa: E402
+from liveshard_core.layout.layout import parse_degrees  # noqa: E402
+from liveshard_core.vps.presets import preset  # noqa: E402
 
 
 def test_builtin_corpus_is_fixed_text() -> None:
@@ -101,3 +105,52 @@ def test_scalars_advance_together() -> None:
     s = Scalars(seed=3).advanced(24).advanced(24)
     assert (s.step, s.adam_step, s.samples, s.seed) == (2, 2, 48, 3)
     assert Scalars.from_dict(s.as_dict()) == s
+
+
+def test_peers_send_each_box_held_once_to_the_member_that_holds_its_copy() -> None:
+    spec = preset("tiny")
+    # tp=2 on each of 2 stages, mirrored: a split weight's tp half is copied by the other tp
+    # rank of its stage; the norms (replicated over tp) have no copy.
+    grid = parse_degrees("tp=2,pp=2,mirror=1").layout(spec, ["a", "b", "c", "d"])
+    peers = [Peers.build(spec, grid, rank) for rank in range(4)]
+    assert [(set(p.sends), set(p.copies)) for p in peers] == [({1}, {1}), ({0}, {0}),
+                                                              ({3}, {3}), ({2}, {2})]  # fmt: skip
+    names = {param.name for param, _ in peers[0].sends[1]}
+    assert "layers.0.attn.o" in names and "layers.3.attn.o" not in names
+    assert not any(name.endswith("norm") for name in names)
+    # What 0 sends to 1 is what 1 holds from 0, in the same order.
+    assert peers[0].sends[1] == peers[1].copies[0]
+    assert peers[1].sends[0] == peers[0].copies[1]
+    # pp=3: round the stages; without the mirror, nothing.
+    ring = parse_degrees("pp=3,mirror=1").layout(spec, ["a", "b", "c"])
+    assert [(set(p.sends), set(p.copies)) for p in (Peers.build(spec, ring, r) for r in range(3))
+            ] == [({1}, {2}), ({2}, {0}), ({0}, {1})]  # fmt: skip
+    plain = parse_degrees("pp=3").layout(spec, ["a", "b", "c"])
+    assert Peers.build(spec, plain, 0) == Peers()
+
+
+@torch.no_grad()
+def test_a_copy_updated_from_its_holders_gradients_stays_equal_to_it_bit_for_bit() -> None:
+    # pp=2 mirrored, each member's optimizer alone (no collective): rank 1's copies of rank 0's
+    # boxes, updated from the gradients rank 0 would send, equal rank 0's own after each step.
+    spec = preset("tiny")
+    layout = parse_degrees("pp=2,zero=1,mirror=1").layout(spec, ["a", "b"])
+    settings = TrainingSettings()
+    holder, peer = (
+        Weights.build(initial_state(spec, layout, rank, 0, torch.device("cpu")), world=None)
+        for rank in (0, 1)
+    )
+    route = peer.peers.copies[0]
+    assert route == holder.peers.sends[1]
+    generator = torch.Generator().manual_seed(3)
+    for step in (1, 2, 3):
+        grads = {w.name: [torch.randn(t.shape, generator=generator) for t in w.tensors]
+                 for w in holder.all()}  # fmt: skip
+        Optimizer(holder, settings).adam(holder.all(), grads, 0.5, 1e-3, step)
+        sent = [(p, box, box_view(holder[p.name].boxes, grads[p.name], box).clone())
+                for p, box in route]  # fmt: skip
+        Optimizer(peer, settings).adam([], {}, 0.5, 1e-3, step, sent)
+        for param, box in route:
+            for kind in spec.kinds:
+                ref = spec.ref(param.name, kind)
+                assert torch.equal(holder.state.view(ref, box), peer.state.view(ref, box)), ref

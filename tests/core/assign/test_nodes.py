@@ -3,6 +3,7 @@ the fewest of them on one node (brute force on small worlds), moving only the fr
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 from hypothesis import given, settings
@@ -16,22 +17,22 @@ from tests.core.helpers import configs, degrees
 
 
 def _holder_pairs(spec: ModelSpec, shape: Degrees) -> set[tuple[int, int]]:
-    """The pairs of ranks of one stage and tp index that hold a cell of a mirrored shard, from
-    the layout's geometry."""
+    """From the layout's geometry: each box's holder without the mirror paired with a holder the
+    mirror adds that differs from it along one axis (its shard group's next member, its peer)."""
     layout = shape.layout(spec, [str(i) for i in range(shape.world_size)])
+    plain = dataclasses.replace(layout, mirror=False)
     out: set[tuple[int, int]] = set()
     for param in spec.params:
         for kind in spec.kinds:
-            geometry = Geometry(layout, place(spec, layout, param, kind))
-            if not geometry.mirrored:
-                continue
-            for cell in geometry.cells():
-                ranks = geometry.holders(cell).ranks()
-                for a, b in itertools.combinations(ranks, 2):
-                    pa, _, ta = layout.coords(a)
-                    pb, _, tb = layout.coords(b)
-                    if (pa, ta) == (pb, tb):
-                        out.add((a, b))
+            mirrored = Geometry(layout, place(spec, layout, param, kind))
+            alone = Geometry(plain, place(spec, plain, param, kind))
+            for cell in mirrored.cells():
+                before = set(alone.holders(cell).ranks())
+                for a in before:
+                    for b in set(mirrored.holders(cell).ranks()) - before:
+                        ca, cb = layout.coords(a), layout.coords(b)
+                        if sum(x != y for x, y in zip(ca, cb, strict=True)) == 1:
+                            out.add((min(a, b), max(a, b)))
     return out
 
 
@@ -50,6 +51,9 @@ def test_mirror_pairs_by_hand() -> None:
     ep = mirror_pairs(Degrees(dp=4, ep=2, zero=1, mirror=True))
     assert ep == [(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]
     assert mirror_pairs(Degrees(dp=4, zero=1)) == []
+    # No replicas: each member and its peer along tp, else pp.
+    assert mirror_pairs(Degrees(tp=2, pp=2, mirror=True)) == [(0, 1), (2, 3)]
+    assert mirror_pairs(Degrees(pp=3, mirror=True)) == [(0, 1), (0, 2), (1, 2)]
 
 
 @settings(max_examples=150, deadline=None)

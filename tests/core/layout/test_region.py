@@ -51,15 +51,20 @@ def test_partition_covers_once_and_agrees_with_rank_boxes(data: st.DataObject) -
                 assert sorted(region(spec, layout, rank, r)) == mine
             # Replication: the holders of each box, counted over the layout, hold the whole
             # tensor exactly (dp or dp/ep replicas if not sharded; one if sharded, two when
-            # mirrored in a group of two or more) times per stage.
+            # mirrored in a group of two or more) times per stage; a mirrored layout holds
+            # every box twice at least.
             stages = len(placed.stages)
             group = layout.dp if param.expert is None else layout.dp // layout.ep
             shard_copies = 2 if layout.mirror and group > 1 else 1
             copies = stages * (shard_copies if placed.sharded else group)
             if param.split_dim is None:
                 copies *= layout.tp
+            if placed.peer:  # held once, and by its holder's peer (along pp: two stages)
+                copies *= 2
             held = sum(volume(b) * len(h) for b, h in parts)
             assert held == copies * numel
+            if layout.mirror:
+                assert all(len(h) >= 2 for _, h in parts), "a mirrored box held once"
 
 
 def test_a_mirrored_shard_is_held_by_its_member_and_the_next_of_its_group() -> None:
@@ -82,10 +87,44 @@ def test_a_mirrored_shard_is_held_by_its_member_and_the_next_of_its_group() -> N
     for rank in range(4):
         own = rank_boxes(layout, place(spec, layout, dense, StateKind.EXP_AVG), rank)
         assert len(own) == 2
-    with pytest.raises(InvalidInput, match="mirror needs ZeRO"):
-        Layout.create(spec, ["a", "b"], dp=2, ep=2, zero=0, mirror=True)
+    with pytest.raises(InvalidInput, match="mirror needs bytes held once"):
+        Layout.create(spec, ["a", "b"], dp=2, zero=0, mirror=True)  # replicas hold everything
     assert parse_degrees("dp=4,zero=1,mirror=1").mirror
     assert parse_degrees(layout.describe()) == layout.degrees
+
+
+def _holders(spec: ModelSpec, layout: Layout, name: str, kind: StateKind) -> list[tuple[int, ...]]:
+    param = spec.params[[p.name for p in spec.params].index(name)]
+    return [holders for _, holders in partition(layout, place(spec, layout, param, kind))]
+
+
+def test_a_box_no_replica_holds_is_held_also_by_its_holders_next_peer() -> None:
+    """A mirrored layout without replicas: the next member along tp (a split tensor), along dp
+    (an expert of ep = dp) or along pp holds each box too, round."""
+    members = [f"m{i}" for i in range(4)]
+    tp2 = Layout.create(TINY, members, tp=2, pp=2, mirror=True)
+    # Split along dim 1 on stage 0 (ranks 0, 1): tp index t's box held by t and t + 1, round.
+    assert _holders(TINY, tp2, "layers.0.attn.o", StateKind.PARAM) == [(0, 1), (0, 1)]
+    assert _holders(TINY, tp2, "layers.3.attn.o", StateKind.EXP_AVG) == [(2, 3), (2, 3)]
+    # Not split: the tp ranks are its replicas already.
+    assert _holders(TINY, tp2, "layers.0.attn.norm", StateKind.EXP_AVG) == [(0, 1)]
+    pp4 = Layout.create(TINY, members, pp=4, mirror=True)  # one layer a stage
+    assert _holders(TINY, pp4, "layers.3.mlp.down", StateKind.EXP_AVG) == [(0, 3)]
+    assert _holders(TINY, pp4, "layers.1.mlp.down", StateKind.MASTER) == [(1, 2)]
+    experts = Layout.create(MOE, members, dp=4, ep=4, zero=1, mirror=True)  # 2 experts a rank
+    expert = next(p for p in MOE.params if p.expert == 7)
+    assert _holders(MOE, experts, expert.name, StateKind.EXP_AVG) == [(0, 3)]
+    # Dense weights: ZeRO-1 shards mirrored round the dp group, as without experts.
+    ring = [(0, 1), (1, 2), (2, 3), (0, 3)]
+    assert _holders(MOE, experts, "layers.0.attn.o", StateKind.EXP_AVG) == ring
+    # Without the copy: what each member computes with.
+    param = TINY.params[[p.name for p in TINY.params].index("layers.0.attn.o")]
+    alone = place(TINY, tp2, param, StateKind.PARAM, peer=False)
+    assert [h for _, h in partition(tp2, alone)] == [(0,), (1,)]
+    assert parse_degrees(tp2.describe()) == tp2.degrees
+    # Packed onto one member, a pipeline without replicas has no one to mirror it.
+    assert not parse_degrees("pp=2,mirror=1").repartitioned((4,)).mirror
+    assert parse_degrees("pp=2,mirror=1").repartitioned((1, 1, 2)).mirror
 
 
 def test_fused_qkv_zero1_by_hand() -> None:

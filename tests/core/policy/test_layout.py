@@ -85,14 +85,16 @@ def test_no_layout_names_the_constraint(
         choose_layout(LLAMA, members, constraints, hardware)
 
 
-@pytest.mark.parametrize("zero", [1, 3])
-def test_the_state_per_layer_counts_a_mirrored_shard_twice(zero: int) -> None:
-    # What the mirror adds to a member's layers is its predecessor's shards: the exact bytes of
-    # the layout's regions (gradients, not in the state, are not mirrored).
+@pytest.mark.parametrize("degrees", ["dp=4,zero=1", "dp=4,zero=3", "dp=1,tp=2", "tp=2,zero=3"])
+def test_the_state_per_layer_counts_a_mirrored_shard_twice(degrees: str) -> None:
+    # What the mirror adds to a member's layers is its predecessor's shards (without replicas:
+    # its tp peer's boxes): the exact bytes of the layout's regions (gradients, not in the
+    # state, are not mirrored).
     spec = preset("tiny")
-    members = [f"m{i}" for i in range(4)]
-    plain = parse_degrees(f"dp=4,zero={zero}").layout(spec, members)
-    mirrored = parse_degrees(f"dp=4,zero={zero},mirror=1").layout(spec, members)
+    plain = parse_degrees(degrees)
+    members = [f"m{i}" for i in range(plain.world_size)]
+    mirrored = parse_degrees(f"{degrees},mirror=1").layout(spec, members)
+    plain = plain.layout(spec, members)
 
     def exact(layout: Layout) -> int:
         return sum(
