@@ -1,11 +1,12 @@
-"""Members on nodes: the two holders of each mirrored shard on different nodes.
+"""Members on nodes: the two holders of each mirrored byte on different nodes.
 
 A mirrored layout (`Layout.mirror`) holds each ZeRO shard on a member of its shard group and on
-the next one, round, so a member's death loses no byte. A node's loss kills every member on it:
-it loses a shard when both of its holders were there. Who neighbours whom is the layout's member
-order, so `spread` orders the members a change is free to place (a first layout's, a change's
-joiners) to put as few *mirror pairs* (two members holding copies of one shard) on one node as
-it can, and keeps a tensor-parallel group on one node where that costs no pair.
+the next one, round, and a box no replica holds on its holder and its peer, so a member's death
+loses no byte. A node's loss kills every member on it: it loses a byte when both of its holders
+were there. Who neighbours whom is the layout's member order, so `spread` orders the members a
+change is free to place (a first layout's, a change's joiners) to put as few *mirror pairs* (two
+members holding copies of one box) on one node as it can, and keeps a tensor-parallel group on
+one node where that costs no pair.
 
 Method: the free ranks are filled in rank order, each with a member of the node that has the
 most members left among the nodes none of its already placed partners is on (a tp group's
@@ -32,12 +33,12 @@ def mirror_pairs(shape: Layout | Degrees) -> list[tuple[int, int]]:
     if not shape.mirror:
         return []
     dp, tp, pp, ep = shape.dp, shape.tp, shape.pp, shape.ep
-    steps: list[tuple[int, int, int]] = []  # (pp, dp, tp) offsets from a holder to its copy's
     groups: list[range] = []
     if shape.zero > 0:
         groups = [range(dp), *(range(o, dp, ep) for o in range(ep) if ep > 1)]
+    peer = None  # the (pp, dp, tp) offset from a box held once to its copy (`region.place`)
     if dp == 1 or ep == dp:
-        steps.append((0, 0, 1) if tp > 1 else (0, 1, 0) if dp > 1 else (1, 0, 0))
+        peer = (0, 0, 1) if tp > 1 else (0, 1, 0) if dp > 1 else (1, 0, 0)
     pairs: set[tuple[int, int]] = set()
 
     def add(s: int, d: int, t: int, step: tuple[int, int, int]) -> None:
@@ -51,9 +52,9 @@ def mirror_pairs(shape: Layout | Degrees) -> list[tuple[int, int]]:
             for group in (g for g in groups if len(g) > 1):
                 for i, d in enumerate(group):
                     add(s, d, t, (0, group[(i + 1) % len(group)] - d, 0))
-            for d in range(dp):
-                for step in steps:
-                    add(s, d, t, step)
+            if peer is not None:
+                for d in range(dp):
+                    add(s, d, t, peer)
     return sorted(pairs)
 
 
