@@ -285,11 +285,14 @@ def test_the_agents_of_a_deleted_job_are_discarded_whatever_they_do(tmp_path: Pa
         err = a0.refused("Release", pb.ReleaseRequest())
         assert err.code() == Code.FAILED_PRECONDITION and "member of the world" in str(err)
         a1.signal(signal.SIGSTOP)
-        # a0 may still finish a step a1 had done its part of; then it waits in the next one.
-        before, now = -1, a0.status().step
-        while now != before:
-            time.sleep(2)
-            before, now = now, a0.status().step
+        # a0 may still finish a step a1 had done its part of (seconds, on a loaded machine); then
+        # it waits in the next one: its step stays put for as long as the op deadline.
+        step, since = a0.status().step, time.monotonic()
+        while time.monotonic() - since < 10:
+            time.sleep(1)
+            now = a0.status().step
+            if now != step:
+                step, since = now, time.monotonic()
         a0.call("Release", pb.ReleaseRequest(discard=True))
         assert a0.wait_exit(timeout=60) == 0
         assert "did not stop within" in a0.output()
