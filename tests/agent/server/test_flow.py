@@ -272,7 +272,8 @@ def test_the_agents_of_a_deleted_job_are_discarded_whatever_they_do(tmp_path: Pa
     """2 agent processes training, told their pods are going (SIGTERM), then that their job is
     gone (`discard`), which a member of the world in effect takes though a plain Release is
     refused. a0, whose peer is stopped (SIGSTOP) so that its collective waits for an op deadline
-    of 120 s, exits a few seconds after its answer; a1, let go on, exits at its step boundary."""
+    of 120 s, exits a few seconds after its answer; a1, let go on, finds its world broken and
+    exits at once."""
     config = {**CONFIG, "deadlines": {"op": 120, "switch": 180, "prepare": 180}}
     with agents(["a0", "a1"], tmp_path, LIVESHARD_CONFIG=json.dumps(config)) as started:
         a0, a1 = started["a0"], started["a1"]
@@ -297,6 +298,8 @@ def test_the_agents_of_a_deleted_job_are_discarded_whatever_they_do(tmp_path: Pa
         assert a0.wait_exit(timeout=60) == 0
         assert "did not stop within" in a0.output()
         a1.signal(signal.SIGCONT)
+        # Let go on, a1 finds its world broken (its peer has gone) and stops training.
+        a1.wait_for("its world broken", lambda s: s.phase == Phase.BROKEN)
         a1.call("Release", pb.ReleaseRequest(discard=True))
         assert a1.wait_exit() == 0
         assert "did not stop within" not in a1.output()
