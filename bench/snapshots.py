@@ -6,7 +6,8 @@ jobs of 4 processes (`liveshard-local`, gloo on CPU), in `--layout` (default `dp
 - step time: the median step of the same job with and without the mirror, runs alternated (4
   processes share this machine's cores, so a run's median moves by 10-20 % from run to run), and
   what the mirror adds to it directly: one member's optimizer update (its copies' too), timed
-  alone (a peer's gradient exchange is in the step time only);
+  alone, and the peers' gradient exchange, timed inside every step of the mirrored runs (rank
+  0's `exchange_seconds`); their sum over the median step is the mirror's cost per step;
 - a member killed without notice: from its death to the next step trained, recovered in memory
   from the mirrors, against the same job without them restarting from its last checkpoint (saved
   every `CHECKPOINT_EVERY` steps), and the steps each trains again; and killed after its update,
@@ -64,9 +65,11 @@ def launch(layout: str, steps: int, *extra: str) -> list[tuple[float, dict[str, 
     return lines
 
 
-def median_step(layout: str, steps: int) -> float:
-    records = [r for _, r in launch(layout, steps) if r["event"] == "step"]
-    return statistics.median(r["step_seconds"] for r in records[FIRST:])
+def median_step(layout: str, steps: int) -> tuple[float, float]:
+    """The median step's seconds and the median of its peers' gradient exchange."""
+    records = [r for _, r in launch(layout, steps) if r["event"] == "step"][FIRST:]
+    return (statistics.median(r["step_seconds"] for r in records),
+            statistics.median(r["exchange_seconds"] for r in records))  # fmt: skip
 
 
 def model() -> ModelSpec:
@@ -142,10 +145,17 @@ def main(argv: list[str] | None = None) -> int:
     layout = args.layout
     mirrored = f"{layout},mirror=1"
     times: dict[str, list[float]] = {layout: [], mirrored: []}
+    exchanges: list[float] = []
     for _ in range(repeats):  # alternated, so that the machine's drift hits both alike
         for degrees in times:
-            times[degrees].append(median_step(degrees, steps))
+            seconds, exchange = median_step(degrees, steps)
+            times[degrees].append(seconds)
+            if degrees == mirrored:
+                exchanges.append(exchange)
     base, mirror = statistics.median(times[layout]), statistics.median(times[mirrored])
+    updates = {"held once": update_seconds(layout), "mirrored": update_seconds(mirrored)}
+    exchange = statistics.median(exchanges)
+    added = exchange + updates["mirrored"] - updates["held once"]
     end = KILL_STEP + 4
     with tempfile.TemporaryDirectory(prefix="liveshard-snapshots-") as folder:
         restart = death(layout, end, "--checkpoint-dir", folder,
@@ -159,8 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         "step_seconds": {"held once": round(base, 4), "mirrored": round(mirror, 4),
                          "runs": {k: [round(v, 4) for v in vs] for k, vs in times.items()}},
         "step_overhead": round(mirror / base - 1, 4),
-        "optimizer_update_seconds": {"held once": round(update_seconds(layout), 5),
-                                     "mirrored": round(update_seconds(mirrored), 5)},
+        "optimizer_update_seconds": {k: round(v, 5) for k, v in updates.items()},
+        "exchange_seconds": round(exchange, 5),
+        "mirror_seconds_per_step": round(added, 5),
+        "mirror_cost_per_step": round(added / base, 4),
         "member_killed": {"mirrored": death(mirrored, end),
                           "mirrored, after its update, before sharing it":
                               death(mirrored, end, phase="update"),

@@ -17,8 +17,9 @@ does one thing:
   bytes come from surviving copies), follow the replica count (new pods pre-warm as standby
   first; the pods that land together join together; a pod the scheduler cannot place holds
   nothing up and is reported missing), and start a reconfiguration when the layout or the
-  members must change; with nothing else to do, rebalance the pipeline from the costs the
-  members measure (`rebalance`: a world rebalanced or packed is kept as it is);
+  members must change; with nothing else to do, exchange members of a mirrored world whose
+  copies share a node (`_respread`), or else rebalance the pipeline from the costs the members
+  measure (`rebalance`: a world rebalanced or packed is kept as it is);
 - a worker pod that failed before it became a member (it crashed, or its agent refused the job's
   configuration) is replaced with backoff, and the job Failed when too many fail in a row before
   it has a world (`start_failures`);
@@ -37,6 +38,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from liveshard.v1 import agent_pb2 as pb
+from liveshard_core.assign.nodes import pairs_on_one_node, respread
 from liveshard_core.errors import InvalidInput
 from liveshard_core.plan.plan import source_layout
 
@@ -194,7 +196,9 @@ def _steady(draft: Draft, world: World) -> None:
         _checkpoint_if_due(draft, world)
         # A checkpoint asked and not saved when a switch commits is asked again (`_commit`).
         if draft.ask is None and not _backing_off(draft):
-            move = rebalance.consider(draft, world, [p.name for p in standby])
+            move = _respread(draft, world) or rebalance.consider(
+                draft, world, [p.name for p in standby]
+            )
             if move is not None:
                 _begin(draft, InFlight(
                     epoch=_next_epoch(draft), reason=move.reason, new=World.of(0, move.layout),
@@ -214,6 +218,22 @@ def _steady(draft: Draft, world: World) -> None:
         epoch=_next_epoch(draft), reason="; ".join(reasons) or "new layout",
         new=World.of(0, layout), store=_NO_STORE, started=draft.now, old=world, lost=tuple(lost),
     ))  # fmt: skip
+
+
+def _respread(draft: Draft, world: World) -> rebalance.Move | None:
+    """A mirrored world some of whose mirror pairs share a node (its survivors kept their ranks
+    while their partners were replaced there) where exchanging members would part some: the
+    same layout with those members exchanged, so that a node's loss costs fewer bytes."""
+    old, node_of = world.layout(draft.job.model), draft.seen.nodes()
+    shared = pairs_on_one_node(old, old.members, node_of)
+    if not shared:
+        return None
+    members = respread(old, old.members, node_of)
+    after = pairs_on_one_node(old, members, node_of)
+    if after >= shared:
+        return None
+    reason = f"respread: {shared} -> {after} mirror pairs on one node"
+    return rebalance.Move(world.degrees.layout(draft.job.model, members), reason)
 
 
 # ---- suspension ----

@@ -760,6 +760,29 @@ def test_joiners_go_where_no_mirror_pair_shares_a_node_and_the_status_counts_the
     assert status["placement"] == {"nodes": 1, "mirrorPairs": 1, "mirrorPairsOnOneNode": 1}
 
 
+def test_survivors_whose_mirror_pairs_came_to_share_a_node_are_exchanged_live() -> None:
+    # The world's ring p0-p1-p2-p3 with p0, p1 on node a and p2, p3 on b (replacements landed
+    # beside their partners): a node's loss would take both holders of two shards.
+    mirrored = job(4, **MIRRORED)
+    old = world(mirrored, ["p0", "p1", "p2", "p3"], 1)
+    pods = seen(*(pod(f"p{i}", training(1), role=M, node="aabb"[i]) for i in range(4)))
+    assert pairs_on_one_node(old.layout(mirrored.model), old.members, pods.nodes()) == 2
+    decision = decide(pods, Record(world=old), mirrored, NOW)
+    assert isinstance(decision.ask, Begin)
+    plan = decision.ask.plan
+    assert plan.reason == "respread: 2 -> 0 mirror pairs on one node" and not plan.lost
+    new = plan.new.layout(mirrored.model)
+    assert new.degrees == old.degrees and sorted(new.members) == sorted(old.members)
+    assert sum(a != b for a, b in zip(new.members, old.members, strict=True)) == 2  # one exchange
+    assert pairs_on_one_node(new, new.members, pods.nodes()) == 0
+    # Once committed, the world is kept; nor is one whose pairs no exchange can part moved.
+    after = world(mirrored, list(new.members), 2)
+    settled = seen(*(replace(p, agent=training(2)) for p in pods.pods.values()))
+    assert asked(decide(settled, Record(world=after), mirrored, NOW)) is None
+    crowded = seen(*(replace(p, node="a") for p in pods.pods.values()))
+    assert asked(decide(crowded, Record(world=old), mirrored, NOW)) is None
+
+
 def test_an_abort_degrades_the_job_and_says_why() -> None:
     case = CASES["in flight: an agent aborted, abort everywhere and back off"]
     decision = decide(case.seen, case.record, case.job, NOW)

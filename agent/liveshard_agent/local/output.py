@@ -30,6 +30,7 @@ def step_line(event: Stepped, tokens: int) -> Line:
         "event": "step", "step": record.step, "loss": record.loss, "layout": event.layout,
         "epoch": event.epoch, "step_seconds": round(record.seconds, 6), "tokens": tokens,
         "aux_loss": record.aux_loss, "grad_norm": record.grad_norm, "lr": record.lr,
+        "exchange_seconds": round(record.exchange_seconds, 6),
         **costs_fields(record.costs, event.pp_layers),
     }  # fmt: skip
 

@@ -32,7 +32,9 @@ and an update cut in the all-reduce finishes them with the rest.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -53,6 +55,7 @@ class UpdateStats:
     grad_norm: float
     lr: float
     totals: tuple[float, ...]  # the step's `totals`, summed over the world
+    exchange_seconds: float = 0.0  # spent sending and receiving the peers' gradients (`Peers`)
 
 
 @dataclass(frozen=True)
@@ -106,12 +109,16 @@ class Optimizer:
         for w in weights.all():
             for t in w.tensors:
                 t.grad = None
+        start = time.perf_counter()
         copies = self._exchange(grads)
+        peers = self.weights.peers
+        exchanged = time.perf_counter() - start if peers.sends or peers.copies else 0.0
         values = self._norm_squares(grads, totals)
         self.unfinished = _Unfinished(grads, copies, step, adam_step)
         comm.all_reduce(values, world.group(Axis.WORLD))
         self.unfinished = None
-        return self._apply(grads, copies, tuple(values.tolist()), step, adam_step)
+        stats = self._apply(grads, copies, tuple(values.tolist()), step, adam_step)
+        return dataclasses.replace(stats, exchange_seconds=exchanged)
 
     def finish(self, summed: tuple[float, ...]) -> UpdateStats:
         """Complete the update cut in its all-reduce with the values the others summed (the

@@ -99,6 +99,7 @@ class StepRecord:
     samples: tuple[int, ...]  # the samples this rank fed in (first stage, tp rank 0), else ()
     agreement: tuple[float, ...]  # the step's agreement values summed over the world
     costs: StepCosts = field(default_factory=lambda: StepCosts(()))  # job-wide (`costs`)
+    exchange_seconds: float = 0.0  # sending and receiving the peers' gradients (mirrored layouts)
 
 
 class Trainer:
@@ -185,6 +186,7 @@ class Trainer:
             grad_norm=stats.update.grad_norm, lr=stats.update.lr,
             seconds=time.perf_counter() - start, samples=stats.samples,
             agreement=stats.agreement, costs=stats.costs,
+            exchange_seconds=stats.update.exchange_seconds,
         )  # fmt: skip
         self.scalars = self.scalars.advanced(self.settings.global_batch)
         if stepped is not None:

@@ -66,6 +66,12 @@ class Metrics:
         self.step_seconds = histogram(
             "liveshard_step_seconds", "Seconds each step took on this member.", _STEP_BUCKETS
         )
+        self.exchange_seconds = histogram(
+            "liveshard_peer_exchange_seconds",
+            "Seconds of each step spent sending and receiving the gradients of the copies peers "
+            "hold (mirrored layouts without replicas).",
+            _STEP_BUCKETS,
+        )
         self.samples = counter(
             "liveshard_samples_total", "Samples the job consumed in the steps this member trained."
         )
@@ -122,6 +128,8 @@ class Metrics:
                 if record.seconds > 0:
                     self.tokens_per_second.set(self._tokens_per_step / record.seconds)
                 self.step_seconds.observe(record.seconds)
+                if record.exchange_seconds > 0:
+                    self.exchange_seconds.observe(record.exchange_seconds)
                 self.samples.inc(self._global_batch)
                 if record.costs.layers and event.pp_layers:
                     self.imbalance.set(imbalance(record.costs, event.pp_layers))

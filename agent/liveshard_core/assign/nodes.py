@@ -13,6 +13,7 @@ most members left among the nodes none of its already placed partners is on (a t
 node first); then exchanges of two free ranks' members that lower the count are made while
 there are any (a local search: not proven minimal with fixed members, but minimal on a ring of
 free ranks, `2 * largest - n` pairs at least when one node has more than half the members).
+`respread` runs that search alone on a world in effect, every rank free.
 """
 
 from __future__ import annotations
@@ -79,10 +80,7 @@ def spread(
     free = [r for r, m in enumerate(members) if m not in fixed]
     if not pairs or len(free) < 2:
         return list(members)
-    partners: list[list[int]] = [[] for _ in members]
-    for a, b in pairs:
-        partners[a].append(b)
-        partners[b].append(a)
+    partners = _partners(pairs, len(members))
     node = [node_of.get(m) or f"\0{m}" for m in members]  # unknown: a node of its own
     out: list[str | None] = [None if r in free else m for r, m in enumerate(members)]
     at: list[str | None] = [None if r in free else node[r] for r in range(len(members))]
@@ -104,6 +102,31 @@ def spread(
     placed = [m for m in out if m is not None]
     _improve(placed, [n for n in at if n is not None], free, partners)
     return placed
+
+
+def respread(
+    shape: Layout | Degrees, members: Sequence[str], node_of: Mapping[str, str]
+) -> list[str]:
+    """`members` (in rank order, every one on a known node) after the exchanges of two members
+    that lower the mirror pairs on one node: `spread`'s local search from the order in effect,
+    every rank free, so that most members keep their rank and their state. For a world whose
+    survivors were kept where they were while pairs came to share a node."""
+    pairs = mirror_pairs(shape)
+    if not pairs or not all(node_of.get(m) for m in members):
+        return list(members)
+    partners = _partners(pairs, len(members))
+    out = list(members)
+    _improve(out, [node_of[m] for m in members], list(range(len(members))), partners)
+    return out
+
+
+def _partners(pairs: list[tuple[int, int]], n: int) -> list[list[int]]:
+    """Each of `n` ranks' partners in `pairs`."""
+    out: list[list[int]] = [[] for _ in range(n)]
+    for a, b in pairs:
+        out[a].append(b)
+        out[b].append(a)
+    return out
 
 
 def _improve(

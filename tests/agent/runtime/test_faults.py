@@ -80,6 +80,30 @@ def test_a_member_killed_inside_a_switch_of_mirrored_zero_layouts_is_recovered_i
     assert_same_training("tiny", events)
 
 
+# Before the decision, in mirrored layouts: peers without replicas (tp=2,pp=2,zero=3), and
+# mirrored ZeRO-1 (dp=4). The switch aborts everywhere and the dead member's bytes come from their
+# other holder, in the old layout; the scripted switch then commits.
+BEFORE_THE_VOTE = {
+    "prepare": ("tp=2,pp=2,zero=3,mirror=1", "10:pp=4,mirror=1", "10:2:prepare",
+                "dp=1,tp=1,pp=4,ep=1,zero=0"),
+    "transfer": ("dp=4,zero=1,mirror=1", "10:pp=2,dp=2,zero=1,mirror=1", "10:1:transfer",
+                 "dp=2,tp=1,pp=2,ep=1,zero=1"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("phase", list(BEFORE_THE_VOTE))
+def test_a_member_killed_before_a_mirrored_switch_votes_is_recovered_in_memory(phase: str) -> None:
+    layout, scripted, kill, new = BEFORE_THE_VOTE[phase]
+    events = run_job(job("tiny", layout, scripted, kills=(parse_kill(kill),)))
+    (recovery,) = [e for e in switches(events) if e["lost"]]
+    assert recovery["result"] == "committed", recovery
+    assert short(recovery["from"]) == short(recovery["to"]) == layouts(events)[0]
+    assert recovery["to"].endswith(",mirror=1")
+    assert layouts(events)[-1] == new
+    assert not [e for e in events if e["event"] == "restored"]
+    assert_same_training("tiny", events)
+
+
 @pytest.mark.parametrize("late", [1.0, -1.0], ids=["commit recorded first", "abort first"])
 def test_a_vote_that_completes_at_some_members_only_never_splits(late: float) -> None:
     # w1's all-reduce "fails" while the others' completes with every vote yes: the first view

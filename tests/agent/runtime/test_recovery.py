@@ -46,8 +46,9 @@ from liveshard_agent.runtime.recovery import (
     recovery_decision,
 )
 from liveshard_agent.runtime.trainer import Scalars, Trainer, initial_state
+from liveshard_agent.runtime.weights import Peers
 from liveshard_core.job import Cause, TrainingSettings
-from liveshard_core.layout.layout import Layout
+from liveshard_core.layout.layout import Layout, parse_degrees
 from liveshard_core.vps.presets import preset
 from tests.agent.runtime.test_training import STEPS, assert_same_training, job, switches
 
@@ -85,6 +86,13 @@ def recoveries(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [e for e in switches(events) if e["lost"]]
 
 
+def sends_to_a_peer(model: str, layout: str) -> bool:
+    """Whether rank 0 of `layout` (a step line's) sends gradients to a peer every step."""
+    spec, degrees = job(model, "dp=1").spec(), parse_degrees(layout)
+    placed = degrees.layout(spec, [f"m{i}" for i in range(degrees.world_size)])
+    return bool(Peers.build(spec, placed, 0).sends)
+
+
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_a_member_that_dies_is_replaced_and_training_goes_on_unchanged(name: str) -> None:
     model, layout, kills, scripted = SCENARIOS[name]
@@ -101,6 +109,10 @@ def test_a_member_that_dies_is_replaced_and_training_goes_on_unchanged(name: str
     # A scripted switch that was waiting is sent again after the recovery and commits.
     later = [e for e in switches(events) if not e["lost"] and e["result"] == "committed"]
     assert len(later) == len(scripted)
+    # Rank 0's step line times its exchange with its peer, in the layouts that have one only.
+    for layout in {e["layout"] for e in events if e["event"] == "step"}:
+        timed = {e["exchange_seconds"] > 0 for e in events if e.get("layout") == layout}
+        assert timed == {sends_to_a_peer(model, layout)}, layout
     assert_same_training(model, events)
 
 

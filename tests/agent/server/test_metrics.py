@@ -83,6 +83,17 @@ def test_steps_set_the_progress_series(metrics: Metrics) -> None:
     assert value(metrics, "liveshard_step_seconds_bucket", le="0.5") == 2
 
 
+def test_a_peers_exchange_is_timed_where_the_member_has_one(metrics: Metrics) -> None:
+    """No process."""
+    name = "liveshard_peer_exchange_seconds"
+    metrics.report(stepped(0, 5.0, 0.5))  # no peers: no sample
+    assert value(metrics, f"{name}_count") == 0
+    exchanged = dataclasses.replace(stepped(1, 4.5, 0.5).record, exchange_seconds=0.004)
+    metrics.report(dataclasses.replace(stepped(1, 4.5, 0.5), record=exchanged))
+    assert value(metrics, f"{name}_count") == 1
+    assert value(metrics, f"{name}_sum") == 0.004
+
+
 def test_reconfigurations_are_counted_by_result_and_measured(metrics: Metrics) -> None:
     """No process."""
     reconfigurations = "liveshard_reconfigurations_total"

@@ -9,7 +9,7 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from liveshard_core.assign.nodes import mirror_pairs, pairs_on_one_node, spread
+from liveshard_core.assign.nodes import mirror_pairs, pairs_on_one_node, respread, spread
 from liveshard_core.layout.layout import Degrees
 from liveshard_core.layout.region import Geometry, place
 from liveshard_core.vps.spec import ModelSpec
@@ -111,3 +111,32 @@ def test_members_of_no_known_node_and_layouts_without_a_mirror_are_left_in_order
     members = ["x", "y", "z", "w"]
     assert spread(Degrees(dp=4, zero=1, mirror=True), members, (), {}) == members
     assert spread(Degrees(dp=4, zero=1), members, (), dict.fromkeys(members, "a")) == members
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_respread_exchanges_members_only_to_part_mirror_pairs(data: st.DataObject) -> None:
+    spec = ModelSpec.from_config(data.draw(configs()))
+    shape = data.draw(degrees(spec, 7))
+    members = [f"m{i}" for i in range(shape.world_size)]
+    nodes = data.draw(st.lists(st.sampled_from("abc"), min_size=len(members),
+                               max_size=len(members)))  # fmt: skip
+    node_of = dict(zip(members, nodes, strict=True))
+    out = respread(shape, members, node_of)
+    assert sorted(out) == sorted(members)
+    before, after = (pairs_on_one_node(shape, m, node_of) for m in (members, out))
+    assert after <= before
+    assert (out == members) == (after == before)  # a member moves only to part some pair
+    assert respread(shape, members, {**node_of, members[0]: ""}) == members  # a node unknown
+
+
+def test_respread_by_hand() -> None:
+    # The ring a0-a1-b0-b1: two pairs on a node; one exchange parts both, two members keep
+    # their rank (and their state).
+    members = ["a0", "a1", "b0", "b1"]
+    node_of = {m: m[0] for m in members}
+    ring = Degrees(dp=4, zero=1, mirror=True)
+    out = respread(ring, members, node_of)
+    assert pairs_on_one_node(ring, out, node_of) == 0
+    assert sum(a != b for a, b in zip(out, members, strict=True)) == 2
+    assert respread(ring, out, node_of) == out
