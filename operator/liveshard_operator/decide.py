@@ -114,8 +114,8 @@ def _start(draft: Draft) -> None:
     except InvalidInput as err:
         draft.message = str(err)
         return
-    members = policy.order(choice.degrees, [p.name for p in ready[: choice.used]],
-                           draft.seen.nodes())  # fmt: skip
+    members = policy.pick(choice.degrees, [p.name for p in ready], choice.used,
+                          draft.seen.nodes())  # fmt: skip
     layout = choice.degrees.layout(draft.job.model, members)
     short = f"{len(ready)} of {wanted} pods: " if len(ready) < wanted else ""
     reason = f"start with {short}{choice.why}"
@@ -450,7 +450,7 @@ def _restore(draft: Draft, why: str) -> None:
     except InvalidInput as err:
         draft.message = f"restoring {last.path}: {err}"
         return
-    layout = choice.degrees.layout(model, policy.order(choice.degrees, ready[: choice.used],
+    layout = choice.degrees.layout(model, policy.pick(choice.degrees, ready, choice.used,
                                                        draft.seen.nodes()))  # fmt: skip
     _begin(draft, InFlight(
         epoch=_next_epoch(draft), new=World.of(0, layout), store=_NO_STORE, started=draft.now,

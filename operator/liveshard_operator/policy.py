@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from liveshard_core.assign.assign import placed_members
-from liveshard_core.assign.nodes import spread
+from liveshard_core.assign.nodes import balanced, spread
 from liveshard_core.layout.layout import Degrees, Layout
 from liveshard_core.policy.layout import Constraints, choose_layout
 from liveshard_core.policy.model import Hardware
@@ -63,13 +63,18 @@ def assign(
     node_of: Mapping[str, str],
 ) -> list[str]:
     """The new layout's members in rank order: the survivors placed to move the fewest bytes
-    (the core's exact assignment), the joiners on the ranks left, spread so that the fewest
-    mirror pairs share a node."""
+    (the core's exact assignment), the joiners on the ranks left (mirrored: those on the least
+    crowded nodes first), spread so that the fewest mirror pairs share a node."""
+    if degrees.mirror:
+        joiners = balanced(joiners, node_of, survivors)
     members = placed_members(spec, old, degrees, survivors, iter(joiners).__next__)
     return spread(degrees, members, survivors, node_of)
 
 
-def order(degrees: Degrees, members: list[str], node_of: Mapping[str, str]) -> list[str]:
-    """A first layout's members (no state to keep) in rank order, spread so that the fewest
-    mirror pairs share a node."""
-    return spread(degrees, members, (), node_of)
+def pick(degrees: Degrees, ready: list[str], used: int, node_of: Mapping[str, str]) -> list[str]:
+    """A first layout's `used` members (no state to keep) out of the `ready` pods, in rank
+    order: mirrored, those on the least crowded nodes first, spread so that the fewest mirror
+    pairs share a node."""
+    if degrees.mirror:
+        ready = balanced(ready, node_of)
+    return spread(degrees, ready[:used], (), node_of)

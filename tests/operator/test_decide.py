@@ -742,6 +742,17 @@ def test_the_first_world_puts_each_mirrored_shards_holders_on_two_nodes() -> Non
     assert str(asked(decide(pods, Record(), J4, NOW))).startswith("begin 0 on p0: p0,p1,p2,p3 ")
 
 
+def test_a_first_world_that_uses_fewer_pods_than_are_ready_takes_them_over_nodes() -> None:
+    # Five pods ready, three of them on node a, listed first; four are used: two of each node,
+    # so that no mirror pair shares one.
+    pods = seen(*(pod(f"p{i}", standby(), node="aaabb"[i]) for i in range(5)))
+    decision = decide(pods, Record(), job(5, **MIRRORED), NOW)
+    assert isinstance(decision.ask, Begin)
+    new = decision.ask.plan.new.layout(job(5, **MIRRORED).model)
+    assert len(new.members) == 4 and "p2" not in new.members
+    assert pairs_on_one_node(new, new.members, pods.nodes()) == 0
+
+
 def test_joiners_go_where_no_mirror_pair_shares_a_node_and_the_status_counts_the_pairs() -> None:
     mirrored = job(4, **MIRRORED)
     # p0 and p1 (nodes a, b) train; p2 and p3 (a, b) stand by to join, listed against their nodes.
@@ -754,6 +765,12 @@ def test_joiners_go_where_no_mirror_pair_shares_a_node_and_the_status_counts_the
     node_of = pods.nodes()
     assert pairs_on_one_node(new, new.members, node_of) == 0
     assert decision.status["placement"] == {"nodes": 2, "mirrorPairs": 1, "mirrorPairsOnOneNode": 0}
+    # Three pods stand by for two places, two of them on node a: a's and b's join.
+    spare = seen(*pods.pods.values(), replace(pods.pods["p3"], name="p4"))
+    spare = seen(*(replace(p, node="a") if p.name == "p3" else p for p in spare.pods.values()))
+    decision = decide(spare, Record(world=old), mirrored, NOW)
+    assert isinstance(decision.ask, Begin)
+    assert set(decision.ask.plan.new.members) == {"p0", "p1", "p2", "p4"}
     # Members that were placed on one node are counted.
     crowded = seen(*(replace(p, node="a") for p in pods.pods.values()))
     status = decide(crowded, Record(world=old), mirrored, NOW).status

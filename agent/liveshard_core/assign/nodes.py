@@ -13,7 +13,8 @@ most members left among the nodes none of its already placed partners is on (a t
 node first); then exchanges of two free ranks' members that lower the count are made while
 there are any (a local search: not proven minimal with fixed members, but minimal on a ring of
 free ranks, `2 * largest - n` pairs at least when one node has more than half the members).
-`respread` runs that search alone on a world in effect, every rank free.
+`respread` runs that search alone on a world in effect, every rank free. When more pods are
+ready than a change uses, `balanced` says which to take first: those on the least crowded nodes.
 """
 
 from __future__ import annotations
@@ -102,6 +103,31 @@ def spread(
     placed = [m for m in out if m is not None]
     _improve(placed, [n for n in at if n is not None], free, partners)
     return placed
+
+
+def balanced(
+    candidates: Sequence[str], node_of: Mapping[str, str], placed: Sequence[str] = ()
+) -> list[str]:
+    """`candidates` in the order to take them so that any first few of them, with `placed`,
+    crowd their nodes the least: each next one from the node with the fewest members so far
+    (placed or taken), the given order among equals; members of no known node count as one node
+    each. Which pods a change uses when more are ready than it needs."""
+
+    def node(m: str) -> str:
+        return node_of.get(m) or f"\0{m}"
+
+    count = Counter(node(m) for m in placed)
+    waiting: dict[str, list[str]] = {}
+    for m in candidates:
+        waiting.setdefault(node(m), []).append(m)
+    out: list[str] = []
+    while waiting:
+        pick = min(waiting, key=count.__getitem__)
+        out.append(waiting[pick].pop(0))
+        count[pick] += 1
+        if not waiting[pick]:
+            del waiting[pick]
+    return out
 
 
 def respread(

@@ -9,7 +9,13 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from liveshard_core.assign.nodes import mirror_pairs, pairs_on_one_node, respread, spread
+from liveshard_core.assign.nodes import (
+    balanced,
+    mirror_pairs,
+    pairs_on_one_node,
+    respread,
+    spread,
+)
 from liveshard_core.layout.layout import Degrees
 from liveshard_core.layout.region import Geometry, place
 from liveshard_core.vps.spec import ModelSpec
@@ -140,3 +146,12 @@ def test_respread_by_hand() -> None:
     assert pairs_on_one_node(ring, out, node_of) == 0
     assert sum(a != b for a, b in zip(out, members, strict=True)) == 2
     assert respread(ring, out, node_of) == out
+
+
+def test_balanced_takes_pods_from_the_least_crowded_node_first() -> None:
+    node_of = {"a0": "a", "a1": "a", "a2": "a", "b0": "b", "b1": "b"}
+    assert balanced(list(node_of), node_of) == ["a0", "b0", "a1", "b1", "a2"]
+    # Two members already on b: a's pods first; a pod of no known node is a node of its own.
+    placed = ["b0", "b2"]
+    assert balanced(["b1", "a0", "x", "a1"], {**node_of, "b2": "b"}, placed) == ["a0", "x", "a1",
+                                                                                 "b1"]  # fmt: skip
