@@ -135,6 +135,8 @@ def status(
                     out["progress"] = progress
         out.update(epoch=world.epoch, layout=world.describe(), members=list(world.members))
     out["stateBytes"] = _state_bytes([pods[m].agent for m in training])
+    exchanges = [pods[m].agent.exchange_seconds for m in training]  # type: ignore[union-attr]
+    out["peerExchangeSeconds"] = round(max(exchanges), 6) if any(exchanges) else None
     out["placement"] = _placement(job, world, seen) if world is not None else None
     out["readyReplicas"] = len(training)
     out["spares"] = list(report.spares)

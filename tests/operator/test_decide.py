@@ -719,14 +719,17 @@ def test_a_commit_summarises_the_switch() -> None:
 
 def test_the_status_shows_the_most_state_a_member_holds_and_what_its_mirror_costs() -> None:
     case = CASES["in flight: every new member trains in its epoch, commit"]
-    assert decide(case.seen, case.record, case.job, NOW).status["stateBytes"] is None  # unknown
+    unknown = decide(case.seen, case.record, case.job, NOW).status
+    assert unknown["stateBytes"] is None and unknown["peerExchangeSeconds"] is None
     pods = []
     for i, member in enumerate(case.seen.pods.values()):
         agent = copy_of(member.agent)
         agent.state_bytes, agent.mirrored_bytes = 1000 + i, 300 - i
+        agent.exchange_seconds = 0.001 * i
         pods.append(replace(member, agent=agent))
     status = decide(seen(*pods), case.record, case.job, NOW).status
     assert status["stateBytes"] == {"perMember": 1000 + len(pods) - 1, "mirroredPerMember": 300}
+    assert status["peerExchangeSeconds"] == 0.001 * (len(pods) - 1)
 
 
 MIRRORED = {"faultTolerance": {"snapshots": True}}

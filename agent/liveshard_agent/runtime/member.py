@@ -128,6 +128,7 @@ class Member:
         self.pending: Pending | None = None
         self.checkpoint_due: _Checkpoint | None = None
         self.last_loss: float | None = None
+        self.last_exchange_seconds = 0.0  # the last step's (`StepRecord.exchange_seconds`)
         self._agreement: Readiness | None = None  # the last step's readiness, summed
         self.broken: Breakage | None = None
         self._broken_at = 0.0
@@ -240,6 +241,7 @@ class Member:
         record = self.trainer.step(self._readiness().to_vector(), stepped)
         self._agreement = Readiness.from_vector(record.agreement)
         self.last_loss = record.loss
+        self.last_exchange_seconds = record.exchange_seconds
         return record
 
     def _readiness(self) -> Readiness:

@@ -80,6 +80,7 @@ def observe(
         loss=member.last_loss if member.last_loss is not None else before.loss, pending=view,
         checkpoint_due=due.number if due is not None else None,
         state_bytes=held[0], mirrored_bytes=held[1],
+        exchange_seconds=member.last_exchange_seconds if member.training else 0.0,
     )  # fmt: skip
 
 

@@ -64,6 +64,7 @@ class Observed:
     checkpoint_due: int | None = None  # the number of a checkpoint asked for and not yet saved
     state_bytes: int = 0  # the training state it holds (0: none, standing by)
     mirrored_bytes: int = 0  # of it, the copies it holds for others (`Layout.mirror`)
+    exchange_seconds: float = 0.0  # its last step's gradient exchange with its peers
 
 
 class ClaimKind(Enum):
@@ -193,6 +194,7 @@ class Snapshot:
             step=seen.step, samples=seen.samples, loss=seen.loss, message=self.message,
             terminating=self.terminating, steps=self.steps, serving_certificate=self.serving,
             state_bytes=seen.state_bytes, mirrored_bytes=seen.mirrored_bytes,
+            exchange_seconds=seen.exchange_seconds,
         )  # fmt: skip
         if seen.layout is not None:
             status.layout.CopyFrom(layout_to_proto(seen.layout))

@@ -155,7 +155,7 @@ class RotateCertificateResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AgentStatus(_message.Message):
-    __slots__ = ("member", "phase", "ready", "epoch", "step", "layout", "loss", "pending", "last_switch", "last_checkpoint", "message", "terminating", "steps", "samples", "failed_checkpoint", "costs", "serving_certificate", "state_bytes", "mirrored_bytes")
+    __slots__ = ("member", "phase", "ready", "epoch", "step", "layout", "loss", "pending", "last_switch", "last_checkpoint", "message", "terminating", "steps", "samples", "failed_checkpoint", "costs", "serving_certificate", "state_bytes", "mirrored_bytes", "exchange_seconds")
     class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         PHASE_UNSPECIFIED: _ClassVar[AgentStatus.Phase]
@@ -193,6 +193,7 @@ class AgentStatus(_message.Message):
     SERVING_CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MIRRORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EXCHANGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     member: str
     phase: AgentStatus.Phase
     ready: bool
@@ -212,7 +213,8 @@ class AgentStatus(_message.Message):
     serving_certificate: str
     state_bytes: int
     mirrored_bytes: int
-    def __init__(self, member: _Optional[str] = ..., phase: _Optional[_Union[AgentStatus.Phase, str]] = ..., ready: _Optional[bool] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., loss: _Optional[float] = ..., pending: _Optional[_Union[Pending, _Mapping]] = ..., last_switch: _Optional[_Union[SwitchSummary, _Mapping]] = ..., last_checkpoint: _Optional[_Union[CheckpointSummary, _Mapping]] = ..., message: _Optional[str] = ..., terminating: _Optional[bool] = ..., steps: _Optional[int] = ..., samples: _Optional[int] = ..., failed_checkpoint: _Optional[_Union[CheckpointSummary, _Mapping]] = ..., costs: _Optional[_Union[Costs, _Mapping]] = ..., serving_certificate: _Optional[str] = ..., state_bytes: _Optional[int] = ..., mirrored_bytes: _Optional[int] = ...) -> None: ...
+    exchange_seconds: float
+    def __init__(self, member: _Optional[str] = ..., phase: _Optional[_Union[AgentStatus.Phase, str]] = ..., ready: _Optional[bool] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., loss: _Optional[float] = ..., pending: _Optional[_Union[Pending, _Mapping]] = ..., last_switch: _Optional[_Union[SwitchSummary, _Mapping]] = ..., last_checkpoint: _Optional[_Union[CheckpointSummary, _Mapping]] = ..., message: _Optional[str] = ..., terminating: _Optional[bool] = ..., steps: _Optional[int] = ..., samples: _Optional[int] = ..., failed_checkpoint: _Optional[_Union[CheckpointSummary, _Mapping]] = ..., costs: _Optional[_Union[Costs, _Mapping]] = ..., serving_certificate: _Optional[str] = ..., state_bytes: _Optional[int] = ..., mirrored_bytes: _Optional[int] = ..., exchange_seconds: _Optional[float] = ...) -> None: ...
 
 class Costs(_message.Message):
     __slots__ = ("layer_seconds", "first_seconds", "last_seconds", "steps", "imbalance", "stage_seconds")

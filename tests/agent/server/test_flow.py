@@ -249,7 +249,7 @@ def test_a_one_member_job_trains_to_its_end(tmp_path: Path) -> None:
         status = solo.wait_for("the end", lambda s: s.phase == Phase.DONE)
         assert status.step == status.steps == 6 and status.samples == 6 * 4
         # Its state, held once (one member: nothing to mirror).
-        assert status.state_bytes > 0 and status.mirrored_bytes == 0
+        assert status.state_bytes > 0 and status.mirrored_bytes == 0 == status.exchange_seconds
         # The measured costs: the medians of the last 4 steps, one stage holding every layer.
         costs = status.costs
         assert costs.steps == 4 and len(costs.layer_seconds) == 4 and costs.imbalance == 1.0
@@ -349,15 +349,16 @@ def test_a_world_broken_everywhere_without_a_death_is_rebuilt_in_its_layout(
 
 
 def test_a_member_trains_on_while_it_connects_to_a_changes_store(tmp_path: Path) -> None:
-    """2 agent processes: a0 trains alone; a grow to a0 and a1 names a store that nothing serves
-    yet. a0 steps on while it connects; once the store is served, the grow is made."""
+    """2 agent processes: a0 trains alone; a grow to a0 and a1 (tp=2 mirrored: each holds its
+    peer's boxes too) names a store that nothing serves yet. a0 steps on while it connects; once
+    the store is served, the grow is made, and each member exchanges gradients with its peer."""
     with agents(["a0", "a1"], tmp_path) as started:
         a0, a1 = started["a0"], started["a1"]
         alone = layout(["a0"])
         a0.call("Prepare", pb.PrepareRequest(epoch=0, store=host_store(a0, 0), to=alone))
         trains(a0, 1)
         grow = change(1, pb.StoreAddress(host=HOST, port=free_port()), alone,
-                      layout(["a0", "a1"], dp=2))  # fmt: skip
+                      layout(["a0", "a1"], tp=2, mirror=True))  # fmt: skip
         prepare([a0, a1], grow)
         before = a0.status().step
         status = trains(a0, before + 3)  # the change shows as preparing meanwhile
@@ -365,6 +366,9 @@ def test_a_member_trains_on_while_it_connects_to_a_changes_store(tmp_path: Path)
         served = TCPStore(HOST, grow.store.port, None, True, wait_for_workers=False)
         for status in switched([a0, a1], 1):
             assert status.layout == grow.to and status.last_switch.step > before + 3
+        for agent in (a0, a1):
+            status = trains(agent, agent.status().step)
+            assert status.exchange_seconds > 0 and status.mirrored_bytes > 0
         del served
 
 
