@@ -82,7 +82,7 @@ def spread(
     if not pairs or len(free) < 2:
         return list(members)
     partners = _partners(pairs, len(members))
-    node = [node_of.get(m) or f"\0{m}" for m in members]  # unknown: a node of its own
+    node = [_node(node_of, m) for m in members]
     out: list[str | None] = [None if r in free else m for r, m in enumerate(members)]
     at: list[str | None] = [None if r in free else node[r] for r in range(len(members))]
     waiting: dict[str, list[str]] = {}
@@ -112,14 +112,10 @@ def balanced(
     crowd their nodes the least: each next one from the node with the fewest members so far
     (placed or taken), the given order among equals; members of no known node count as one node
     each. Which pods a change uses when more are ready than it needs."""
-
-    def node(m: str) -> str:
-        return node_of.get(m) or f"\0{m}"
-
-    count = Counter(node(m) for m in placed)
+    count = Counter(_node(node_of, m) for m in placed)
     waiting: dict[str, list[str]] = {}
     for m in candidates:
-        waiting.setdefault(node(m), []).append(m)
+        waiting.setdefault(_node(node_of, m), []).append(m)
     out: list[str] = []
     while waiting:
         pick = min(waiting, key=count.__getitem__)
@@ -144,6 +140,11 @@ def respread(
     out = list(members)
     _improve(out, [node_of[m] for m in members], list(range(len(members))), partners)
     return out
+
+
+def _node(node_of: Mapping[str, str], member: str) -> str:
+    """`member`'s node; one of its own when it is not known."""
+    return node_of.get(member) or f"\0{member}"
 
 
 def _partners(pairs: list[tuple[int, int]], n: int) -> list[list[int]]:
