@@ -38,7 +38,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 from liveshard.v1 import agent_pb2 as pb
-from liveshard_core.assign.nodes import pairs_on_one_node, respread
 from liveshard_core.errors import InvalidInput
 from liveshard_core.plan.plan import source_layout
 
@@ -224,14 +223,10 @@ def _respread(draft: Draft, world: World) -> rebalance.Move | None:
     """A mirrored world some of whose mirror pairs share a node (its survivors kept their ranks
     while their partners were replaced there) where exchanging members would part some: the
     same layout with those members exchanged, so that a node's loss costs fewer bytes."""
-    old, node_of = world.layout(draft.job.model), draft.seen.nodes()
-    shared = pairs_on_one_node(old, old.members, node_of)
-    if not shared:
+    found = policy.respread(world.degrees, world.members, draft.seen.nodes())
+    if found is None:
         return None
-    members = respread(old, old.members, node_of)
-    after = pairs_on_one_node(old, members, node_of)
-    if after >= shared:
-        return None
+    members, shared, after = found
     reason = f"respread: {shared} -> {after} mirror pairs on one node"
     return rebalance.Move(world.degrees.layout(draft.job.model, members), reason)
 
