@@ -107,13 +107,17 @@ def test_training_through_switches_matches_a_run_without(name: str) -> None:
     assert_same_training(model, events)
 
 
-def test_a_replaced_member_and_one_brought_back() -> None:
-    # w2 leaves at step 10 and a fresh member w4 takes its rank; at step 20 w2 comes back.
-    replace = ScriptedSwitch(10, parse_degrees("dp=4,zero=1"), "dp=4,zero=1",
-                             ("w0", "w1", "w4", "w3"))  # fmt: skip
-    back = ScriptedSwitch(20, parse_degrees("dp=4,zero=1"), "dp=4,zero=1", ("w0", "w1", "w2", "w3"))
-    events = run_job(job("tiny", "dp=4,zero=1", replace, back))
-    assert [e["result"] for e in switches(events)] == ["committed", "committed"]
+def test_a_replaced_member_one_brought_back_and_two_exchanged() -> None:
+    # Mirrored ZeRO-1: w2 leaves at step 10 and a fresh member w4 takes its rank; at step 20 w2
+    # comes back; at 25 w1 and w2 exchange ranks (the operator's respread), each taking the
+    # other's shards.
+    ring = parse_degrees("dp=4,zero=1,mirror=1")
+    text = "dp=4,zero=1,mirror=1"
+    replace = ScriptedSwitch(10, ring, text, ("w0", "w1", "w4", "w3"))
+    back = ScriptedSwitch(20, ring, text, ("w0", "w1", "w2", "w3"))
+    exchange = ScriptedSwitch(25, ring, text, ("w0", "w2", "w1", "w3"))
+    events = run_job(job("tiny", text, replace, back, exchange))
+    assert [e["result"] for e in switches(events)] == ["committed"] * 3
     assert all(e["network_bytes"] > 0 for e in switches(events))
     fed_by = {e["member"] for e in events if e["event"] == "samples" and 10 <= e["step"] < 20}
     assert fed_by == {"w0", "w1", "w4", "w3"}
