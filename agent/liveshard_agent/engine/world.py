@@ -66,18 +66,25 @@ class World:
     member: str
     device: torch.device
     groups: dict[Axis, Group] = field(repr=False)
+    closed: str = field(default="", repr=False)  # why it was closed, when a collective failed
 
     @property
     def rank(self) -> int:
         return self.layout.rank_of(self.member)
 
     def group(self, axis: Axis) -> Group:
+        """The group of `axis`; a RuntimeError, as torch's for a broken collective, once the
+        world is closed (`close`): whatever used it next fails as if a peer had."""
+        if not self.groups:
+            raise RuntimeError(f"the world of epoch {self.epoch} is closed: {self.closed}")
         return self.groups[axis]
 
-    def close(self) -> None:
+    def close(self, why: str = "") -> None:
         """Close the world's groups in the background (`close_in_background`); the world has
-        none after. Destroying a group of communicators takes a while (NCCL's each tear down
-        on the device), which must not lengthen a switch's pause."""
+        none after (`why`: the failure that closed it). Destroying a group of communicators
+        takes a while (NCCL's each tear down on the device), which must not lengthen a switch's
+        pause."""
+        self.closed = why or "this member closed it"
         groups = list(self.groups.values())
         self.groups.clear()
         close_in_background(groups)

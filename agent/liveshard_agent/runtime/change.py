@@ -115,13 +115,16 @@ class Pending:
 
 def max_over_world(world: World | None, seconds: float) -> float:
     """The longest of every member's `seconds` over `world` (a member in no world: its own; and
-    when a member of the world died after the switch was decided: the next step sees it)."""
+    when a member of the world died after the switch was decided, its own: the all-reduce
+    failed here, so the world's groups are closed, and the members still waiting in it fail at
+    once too, not at the op deadline; the next step breaks the world here)."""
     if world is None:
         return seconds
     value = torch.tensor([seconds], dtype=torch.float64, device=world.device)
     try:
         comm.all_reduce(value, world.group(Axis.WORLD), ReduceOp.MAX)
-    except RuntimeError:  # torch's: a peer is gone
+    except RuntimeError as err:  # torch's: a peer is gone
+        world.close(f"{type(err).__name__}: {err}".split("\n")[0])
         return seconds
     return float(value)
 

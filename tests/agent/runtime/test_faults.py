@@ -39,6 +39,15 @@ OLD, NEW = "dp=2,tp=2,pp=1,ep=1,zero=0", "dp=2,tp=1,pp=2,ep=1,zero=0"
 AFTER = {"prepare": OLD, "vote": OLD, "commit": NEW}
 
 
+def assert_found_at_once(events: list[dict[str, Any]]) -> None:
+    """No survivor's world broke at a collective's timeout: a member whose all-reduce closing a
+    switch failed closes its world, so the members still waiting in it fail at once (on a
+    pipeline, one that trained on would otherwise wait for stage inputs while they wait for it,
+    both until the op deadline)."""
+    slow = [e["reason"] for e in events if e["event"] == "broken" and "Timed out" in e["reason"]]
+    assert not slow, slow
+
+
 def short(layout: str) -> str:
     return layout.split(",pp_layers")[0]
 
@@ -86,6 +95,8 @@ def test_a_member_killed_inside_a_switch_of_mirrored_zero_layouts_is_recovered_i
 BEFORE_THE_VOTE = {
     "prepare": ("tp=2,pp=2,zero=3,mirror=1", "10:pp=4,mirror=1", "10:2:prepare",
                 "dp=1,tp=1,pp=4,ep=1,zero=0"),
+    "vote": ("tp=2,pp=2,zero=3,mirror=1", "10:pp=4,mirror=1", "10:3:vote",
+             "dp=1,tp=1,pp=4,ep=1,zero=0"),
     "transfer": ("dp=4,zero=1,mirror=1", "10:pp=2,dp=2,zero=1,mirror=1", "10:1:transfer",
                  "dp=2,tp=1,pp=2,ep=1,zero=1"),
 }  # fmt: skip
@@ -101,6 +112,7 @@ def test_a_member_killed_before_a_mirrored_switch_votes_is_recovered_in_memory(p
     assert recovery["to"].endswith(",mirror=1")
     assert layouts(events)[-1] == new
     assert not [e for e in events if e["event"] == "restored"]
+    assert_found_at_once(events)
     assert_same_training("tiny", events)
 
 
