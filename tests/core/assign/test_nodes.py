@@ -62,15 +62,20 @@ def test_mirror_pairs_by_hand() -> None:
     assert mirror_pairs(Degrees(pp=3, mirror=True)) == [(0, 1), (0, 2), (1, 2)]
 
 
-@settings(max_examples=150, deadline=None)
-@given(st.data())
-def test_spread_puts_the_fewest_mirror_pairs_on_one_node(data: st.DataObject) -> None:
+def _members_on_nodes(data: st.DataObject, nodes: str) -> tuple[Degrees, list[str], dict[str, str]]:
+    """A random layout's members, each on one of `nodes`."""
     spec = ModelSpec.from_config(data.draw(configs()))
     shape = data.draw(degrees(spec, 7))
     members = [f"m{i}" for i in range(shape.world_size)]
-    nodes = data.draw(st.lists(st.sampled_from("abcd"), min_size=len(members),
+    drawn = data.draw(st.lists(st.sampled_from(nodes), min_size=len(members),
                                max_size=len(members)))  # fmt: skip
-    node_of = dict(zip(members, nodes, strict=True))
+    return shape, members, dict(zip(members, drawn, strict=True))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_spread_puts_the_fewest_mirror_pairs_on_one_node(data: st.DataObject) -> None:
+    shape, members, node_of = _members_on_nodes(data, "abcd")
     fixed = set(data.draw(st.lists(st.sampled_from(members), unique=True)))
     out = spread(shape, members, fixed, node_of)
     assert sorted(out) == sorted(members)
@@ -122,12 +127,7 @@ def test_members_of_no_known_node_and_layouts_without_a_mirror_are_left_in_order
 @settings(max_examples=100, deadline=None)
 @given(st.data())
 def test_respread_exchanges_members_only_to_part_mirror_pairs(data: st.DataObject) -> None:
-    spec = ModelSpec.from_config(data.draw(configs()))
-    shape = data.draw(degrees(spec, 7))
-    members = [f"m{i}" for i in range(shape.world_size)]
-    nodes = data.draw(st.lists(st.sampled_from("abc"), min_size=len(members),
-                               max_size=len(members)))  # fmt: skip
-    node_of = dict(zip(members, nodes, strict=True))
+    shape, members, node_of = _members_on_nodes(data, "abc")
     out = respread(shape, members, node_of)
     assert sorted(out) == sorted(members)
     before, after = (pairs_on_one_node(shape, m, node_of) for m in (members, out))
