@@ -84,7 +84,7 @@ class World:
         none after (`why`: the failure that closed it). Destroying a group of communicators
         takes a while (NCCL's each tear down on the device), which must not lengthen a switch's
         pause."""
-        self.closed = why or "this member closed it"
+        self.closed = self.closed or why or "this member closed it"
         groups = list(self.groups.values())
         self.groups.clear()
         close_in_background(groups)
