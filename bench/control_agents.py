@@ -87,6 +87,7 @@ class SimMember(Member):
         self.pending: _Pending | None = None  # type: ignore[assignment]
         self.checkpoint_due = None
         self.last_loss: float | None = None
+        self.last_exchange_seconds = 0.0  # it trains nothing, so it has no peers' gradients
         self.broken = None
         self._store: Store | None = None
         self.zero = 0  # the tick of the job's step 0
