@@ -27,7 +27,7 @@ from torch.distributed import TCPStore
 from liveshard.v1 import agent_pb2 as pb
 from liveshard_core.vps.hf import HfModel
 
-from .agents import CONFIG, HOST, Agent, Phase, agents, free_port, layout
+from .agents import CONFIG, HOST, WAIT, Agent, Phase, agents, free_port, layout
 
 Code = grpc.StatusCode
 
@@ -298,8 +298,9 @@ def test_the_agents_of_a_deleted_job_are_discarded_whatever_they_do(tmp_path: Pa
         assert a0.wait_exit(timeout=60) == 0
         assert "did not stop within" in a0.output()
         a1.signal(signal.SIGCONT)
-        # Let go on, a1 finds its world broken (its peer has gone) and stops training.
-        a1.wait_for("its world broken", lambda s: s.phase == Phase.BROKEN)
+        # Let go on, a1 finds its world broken (its peer has gone) and stops training: at once
+        # when its collective sees the closed connection, at the latest at its op deadline.
+        a1.wait_for("its world broken", lambda s: s.phase == Phase.BROKEN, timeout=120 + WAIT)
         a1.call("Release", pb.ReleaseRequest(discard=True))
         assert a1.wait_exit() == 0
         assert "did not stop within" not in a1.output()
