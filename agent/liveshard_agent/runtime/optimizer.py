@@ -109,10 +109,7 @@ class Optimizer:
         for w in weights.all():
             for t in w.tensors:
                 t.grad = None
-        start = time.perf_counter()
-        copies = self._exchange(grads)
-        peers = self.weights.peers
-        exchanged = time.perf_counter() - start if peers.sends or peers.copies else 0.0
+        copies, exchanged = self._exchange(grads)
         values = self._norm_squares(grads, totals)
         self.unfinished = _Unfinished(grads, copies, step, adam_step)
         comm.all_reduce(values, world.group(Axis.WORLD))
@@ -132,13 +129,14 @@ class Optimizer:
             unfinished.grads, unfinished.copies, summed, unfinished.step, unfinished.adam_step
         )
 
-    def _exchange(self, grads: dict[str, list[torch.Tensor]]) -> list[torch.Tensor]:
+    def _exchange(self, grads: dict[str, list[torch.Tensor]]) -> tuple[list[torch.Tensor], float]:
         """Send the reduced gradients of this rank's boxes whose copy a peer holds, and receive
         those of the copies it holds (`Peers`); the received, one per copy, in `Peers.held`
-        order."""
+        order, and the seconds it took (0 without peers)."""
         peers, weights = self.weights.peers, self.weights
         if not peers.sends and not peers.copies:
-            return []
+            return [], 0.0
+        start = time.perf_counter()
         outgoing = {
             dst: torch.cat([
                 box_view(weights[p.name].boxes, grads[p.name], box).reshape(-1) for p, box in route
@@ -157,7 +155,7 @@ class Optimizer:
             for _, box in route:
                 out.append(incoming[src][offset : offset + volume(box)].view(box_shape(box)))
                 offset += volume(box)
-        return out
+        return out, time.perf_counter() - start
 
     def _apply(
         self, grads: dict[str, list[torch.Tensor]], copies: list[torch.Tensor],
