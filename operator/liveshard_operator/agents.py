@@ -21,7 +21,7 @@ import grpc
 from liveshard.v1 import agent_pb2 as pb
 from liveshard.v1 import agent_pb2_grpc as pb_grpc
 from liveshard_core.errors import LiveshardError
-from liveshard_core.job import Deadlines
+from liveshard_core.job import MEMBER_KEY, Deadlines
 from liveshard_core.layout.layout import Layout
 
 from .messages import to_proto
@@ -61,7 +61,7 @@ class ClientTls:
 
 
 class AgentClient:
-    """The agent of one pod, at `host:port`; over mutual TLS with `tls`."""
+    """The agent of one member, at its pod's `host:port`; over mutual TLS with `tls`."""
 
     def __init__(
         self,
@@ -83,7 +83,8 @@ class AgentClient:
             options = [("grpc.ssl_target_name_override", tls.server_name)]
             self.channel = grpc.secure_channel(target, credentials, options)
         self.stub = pb_grpc.AgentStub(self.channel)  # type: ignore[no-untyped-call]  # generated
-        self.metadata = (("authorization", f"Bearer {token}"),)
+        # The member's name routes the call to it inside a pod of several members.
+        self.metadata = (("authorization", f"Bearer {token}"), (MEMBER_KEY, member))
 
     def close(self) -> None:
         self.channel.close()

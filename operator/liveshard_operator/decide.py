@@ -43,7 +43,7 @@ from liveshard_core.plan.plan import source_layout
 
 from . import checkpoints, policy, rebalance, start_failures
 from .actions import Begin, Checkpoint, DeletePod, Event, EventType, ReleaseMember
-from .decision import Decision, Draft
+from .decision import Decision, Draft, by_pod
 from .inflight import progress
 from .observation import Job, Observation, Pod
 from .publish import Failure, Missing
@@ -153,6 +153,7 @@ def _steady(draft: Draft, world: World) -> None:
     standby = [p for p in draft.seen.live() if p.standing_by and p.name not in members]
     landing = _landing(draft, set(members))
     wanted = rebalance.replicas(draft)  # spec.replicas, less what packing released
+    stayers, standby = _whole_pods(draft, stayers, standby, wanted)
     draft.keep_pods(wanted, set(members))
     draft.label(set(members))
     for pod in pods.values():  # a standing-by pod that must go holds no state
@@ -217,6 +218,28 @@ def _steady(draft: Draft, world: World) -> None:
         epoch=_next_epoch(draft), reason="; ".join(reasons) or "new layout",
         new=World.of(0, layout), store=_NO_STORE, started=draft.now, old=world, lost=tuple(lost),
     ))  # fmt: skip
+
+
+def _whole_pods(
+    draft: Draft, stayers: list[str], standby: list[Pod], wanted: int
+) -> tuple[list[str], list[Pod]]:
+    """The stayers and standby members left when pods of several members shrink to `wanted`
+    members: whole pods leave, those with the fewest stayers first (standing-by pods), the
+    newest first among equals. Pods of one member are left to the assignment, which keeps the
+    stayers that move the fewest bytes."""
+    if draft.job.spec.members_per_pod == 1:
+        return stayers, standby
+    pods = draft.seen.pods
+    groups = by_pod([pods[m] for m in stayers] + standby)
+    excess = len(stayers) + len(standby) - wanted
+    dropped = set()
+    newest = sorted(groups.items(), key=lambda g: g[1][0].created, reverse=True)
+    for pod, mates in sorted(newest, key=lambda g: sum(m.name in stayers for m in g[1])):
+        if len(mates) <= excess:
+            dropped.add(pod)
+            excess -= len(mates)
+    return ([m for m in stayers if pods[m].pod_name not in dropped],
+            [p for p in standby if p.pod_name not in dropped])  # fmt: skip
 
 
 def _respread(draft: Draft, world: World) -> rebalance.Move | None:
@@ -296,19 +319,22 @@ def _note_missing(draft: Draft, members: set[str]) -> None:
     """Report the pods outside `members` that the job goes on without (the Degraded condition):
     those the scheduler cannot place, with its reason, and those not ready in time."""
     awaited = {p.name for p in _landing(draft, members)}
-    missing = [p for p in draft.seen.live()
-               if p.name not in members and not p.ready and p.name not in awaited]  # fmt: skip
+    missing = [mates[0] for mates in by_pod([
+        p for p in draft.seen.live()
+        if p.name not in members and not p.ready and p.name not in awaited
+    ]).values()]  # fmt: skip
     if not missing or draft.missing is not None:  # pods failing to start say more
         return
 
     def why(pod: Pod) -> str:
         if pod.unschedulable:
-            return f"{pod.name} cannot be scheduled: {pod.unschedulable}"
+            return f"{pod.pod_name} cannot be scheduled: {pod.unschedulable}"
         late = f"{draft.now - pod.since:.0f} s"
-        return f"{pod.name} not ready {late} after it was scheduled: {pod.error or 'starting'}"
+        return f"{pod.pod_name} not ready {late} after it was scheduled: {pod.error or 'starting'}"
 
     verdicts = [p.unschedulable.split(":")[0] for p in missing if p.unschedulable]
-    message = f"{len(missing)} of {draft.job.spec.replicas} pods missing, going on without them"
+    spec = draft.job.spec
+    message = f"{len(missing)} of {spec.pods(spec.replicas)} pods missing, going on without them"
     draft.missing = Missing(
         verdicts[0] if verdicts else "PendingTimeout",
         "; ".join([message, *(why(p) for p in missing[:3])]),
@@ -335,7 +361,7 @@ def _silent(draft: Draft, members: list[str]) -> list[str]:
         agent = pods[member].agent
         why = (f"answers nothing while its world is broken: {pods[member].error}" if agent is None
                else "still trains while its world is broken: its training is hung")  # fmt: skip
-        draft.after.append(DeletePod(member, because=why))
+        draft.after.append(DeletePod(pods[member].pod_name, because=why))
     return out
 
 
@@ -347,7 +373,7 @@ def _finish(draft: Draft, world: World) -> None:
         return
     draft.finished = True
     for pod in draft.seen.pods.values():
-        draft.before += [ReleaseMember(pod.name), DeletePod(pod.name)]
+        draft.before += [ReleaseMember(pod.name), DeletePod(pod.pod_name)]
 
 
 def _exported(draft: Draft, world: World, export: str) -> bool:

@@ -32,7 +32,7 @@ from .actions import (
     Prepare,
     ReleaseMember,
 )
-from .observation import Job, Observation, trains_in
+from .observation import Job, Observation, Pod, trains_in
 from .publish import Failure, Missing, Report, Summary
 from .world import InFlight, Record
 
@@ -91,27 +91,51 @@ class Draft:
         report = Report(self.message, tuple(self.spares), self.last, self.failure,
                         self.finished, self.exported, self.missing)  # fmt: skip
         return Decision(self.job, self.seen, self.now, self.record, report,
-                        tuple(self.before), tuple(self.after), self.ask,
+                        _once(self.before), _once(self.after), self.ask,
                         self.unaborted)  # fmt: skip
 
     def keep_pods(self, wanted: int, members: set[str], saved: int = 0) -> None:
-        """Create pods until `wanted` live ones exist, unless pods that failed to start hold
-        creations back (`start_failures`); delete surplus pods not in `members` (`saved`: see
-        `ReleaseMember`)."""
+        """Create pods until `wanted` live members exist, unless pods that failed to start hold
+        creations back (`start_failures`); delete surplus pods none of whose members is in
+        `members`, newest first (`saved`: see `ReleaseMember`)."""
         live = self.seen.live()
         backing_off = self.now < self.record.start_failures.retry_after
-        for _ in range(0 if backing_off else wanted - len(live)):
+        for _ in range(0 if backing_off else self.job.spec.pods(wanted - len(live))):
             self.after.append(CreatePod(render.worker_pod(self.job.body, self.job.spec)))
-        surplus = [p for p in reversed(live) if p.name not in members]
-        for pod in surplus[: max(len(live) - wanted, 0)]:
-            self.after += [ReleaseMember(pod.name, saved), DeletePod(pod.name)]
+        surplus = len(live) - wanted
+        for pod, mates in reversed(by_pod(live).items()):
+            if len(mates) <= surplus and not any(m.name in members for m in mates):
+                self.after += [*(ReleaseMember(m.name, saved) for m in mates), DeletePod(pod)]
+                surplus -= len(mates)
 
     def label(self, members: set[str]) -> None:
-        """Label `members` as the world's (the scale selector's) and every other pod standby."""
-        for pod in self.seen.pods.values():
-            role = render.MEMBER if pod.name in members else render.STANDBY
-            if pod.role != role and not pod.gone:
-                self.after.append(LabelPod(pod.name, role))
+        """Label the pods of `members` as the world's (the scale selector's) and every other pod
+        standby."""
+        for pod, mates in by_pod(list(self.seen.pods.values())).items():
+            role = render.MEMBER if any(m.name in members for m in mates) else render.STANDBY
+            if any(m.role != role and not m.gone for m in mates):
+                self.after.append(LabelPod(pod, role))
+
+
+def _once(actions: list[Action]) -> tuple[Action, ...]:
+    """`actions` with each pod deleted once (a pod of several members is named by each)."""
+    deleted: set[str] = set()
+    out = []
+    for action in actions:
+        if isinstance(action, DeletePod):
+            if action.pod in deleted:
+                continue
+            deleted.add(action.pod)
+        out.append(action)
+    return tuple(out)
+
+
+def by_pod(seen: list[Pod]) -> dict[str, list[Pod]]:
+    """`seen`'s members grouped by pod, in the order of each pod's first member."""
+    out: dict[str, list[Pod]] = {}
+    for member in seen:
+        out.setdefault(member.pod_name, []).append(member)
+    return out
 
 
 def prepares(job: Job, seen: Observation, plan: InFlight) -> list[Prepare]:

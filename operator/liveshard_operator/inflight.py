@@ -133,11 +133,14 @@ def _commit(draft: Draft, plan: InFlight, agents: dict[str, pb.AgentStatus], spe
     draft.label(members)
     left = [m for m in (plan.old.members if plan.old else ()) if m not in members]
     wanted = rebalance.replicas(draft)  # a pack's members are released as in a scale-down
+    kept = {draft.seen.pod_name(m) for m in members}  # a pod goes once all its members left
     for member in left:
         pod = draft.seen.pods.get(member)
         draft.after.append(ReleaseMember(member))
-        if pod is not None and not pod.leaving and len(draft.seen.live()) > wanted:
-            draft.after.append(DeletePod(member))
+        if pod is None or pod.leaving or pod.pod_name in kept:
+            continue
+        if len(draft.seen.live()) > wanted:
+            draft.after.append(DeletePod(pod.pod_name))
 
 
 def _abort(draft: Draft, plan: InFlight, why: str, agents: dict[str, pb.AgentStatus]) -> None:

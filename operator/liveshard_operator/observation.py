@@ -57,6 +57,9 @@ class Job:
 
 @dataclass(frozen=True)
 class Pod:
+    """A member's pod as seen, with what the member's agent said: a pod of several members (
+    `render.pod_members`) is seen once per member, each named as its member."""
+
     name: str
     ip: str | None
     role: str
@@ -69,6 +72,11 @@ class Pod:
     unschedulable: str = ""  # the scheduler's "reason: message" when it could not place it
     failure: str = ""  # how a container of it failed, as the kubelet says ("": none did)
     node: str = ""  # the node it is scheduled on ("": not yet)
+    pod: str = ""  # the pod's name, when it is not `name` (a pod of several members)
+
+    @property
+    def pod_name(self) -> str:
+        return self.pod or self.name
 
     @property
     def ready(self) -> bool:
@@ -82,6 +90,11 @@ class Pod:
 @dataclass(frozen=True)
 class Observation:
     pods: dict[str, Pod]
+
+    def pod_name(self, member: str) -> str:
+        """The name of `member`'s pod (the member's own when it was not seen)."""
+        pod = self.pods.get(member)
+        return member if pod is None else pod.pod_name
 
     def nodes(self) -> dict[str, str]:
         """Each scheduled pod's node."""

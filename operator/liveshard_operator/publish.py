@@ -120,7 +120,7 @@ def status(
     out: dict[str, Any] = {
         "observedGeneration": job.generation,
         "selector": render.selector(job.name),
-        "replicas": len(world.members) if world else 0,
+        "replicas": job.spec.pods(len(world.members)) if world else 0,  # the scale's: pods
     }
     training: list[str] = []
     if world is not None:
@@ -138,7 +138,7 @@ def status(
     exchanges = [pods[m].agent.exchange_seconds for m in training]  # type: ignore[union-attr]
     out["peerExchangeSeconds"] = round(max(exchanges), 6) if any(exchanges) else None
     out["placement"] = _placement(job, world, seen) if world is not None else None
-    out["readyReplicas"] = len(training)
+    out["readyReplicas"] = job.spec.pods(len(training))
     out["spares"] = list(report.spares)
     if report.last is not None:
         out["lastReconfiguration"] = report.last.to_dict()

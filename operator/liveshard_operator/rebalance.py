@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 
 from liveshard_core.errors import InvalidInput
 from liveshard_core.layout.layout import Degrees, Layout
-from liveshard_core.plan.predict import predicted_pause
+from liveshard_core.plan.predict import Links, predicted_pause
 from liveshard_core.policy.model import state_bytes_per_layer
 from liveshard_core.policy.rebalance import GROW, PACK, REBALANCE, Proposal, StepCosts, propose
 
@@ -101,7 +101,8 @@ def consider(draft: Draft, world: World, standby: list[str]) -> Move | None:
         return None
     old = world.layout(model)
     state = draft.record.rebalance
-    packs = settings.pack and spec.parallelism.pp is None  # a fixed pp is the user's
+    # A fixed pp is the user's; a pod of several members is released whole, never a member.
+    packs = settings.pack and spec.parallelism.pp is None and spec.members_per_pod == 1
     joiners = [f"joiner-{i}" for i in range(spec.max_replicas)]  # names for predicting pauses
     try:
         proposal = propose(
@@ -179,8 +180,12 @@ def _layout(draft: Draft, old: Layout, pp_layers: tuple[int, ...], joiners: list
 def _pause(spec: JobSpec, draft: Draft, old: Layout, new: Layout) -> float:
     """The dry run's pause of the switch from `old` to `new`, over the job's links."""
     hardware = policy.hardware(spec)
+    links = None
+    if spec.members_per_pod > 1:  # a pod's members share its devices' links
+        pod_of = {name: pod.pod_name for name, pod in draft.seen.pods.items()}
+        links = Links(pod_of, hardware.tp_bandwidth)
     return predicted_pause(draft.job.model, old, new, spec.budget_bytes,
-                           hardware.network_bandwidth, hardware.latency)  # fmt: skip
+                           hardware.network_bandwidth, hardware.latency, links)  # fmt: skip
 
 
 def _max_stages(draft: Draft, old: Layout) -> int:

@@ -27,6 +27,8 @@ PLURAL = "elastictrainingjobs"
 KIND = "ElasticTrainingJob"
 JOB_LABEL = f"{GROUP}/job"
 ROLE_LABEL = f"{GROUP}/role"
+# The members a worker pod runs (absent: one, named as the pod); see `pod_members`.
+MEMBERS_ANNOTATION = f"{GROUP}/members"
 MEMBER, STANDBY = "member", "standby"
 TOKEN_KEY = "token"
 # The keys of the TLS Secrets, as kubernetes.io/tls and cert-manager name them.
@@ -156,7 +158,7 @@ def pod_group(job: dict[str, Any], spec: JobSpec) -> dict[str, Any]:
     Volcano's when the workers' scheduler is Volcano (in the queue their template's annotation
     names), else scheduler-plugins' (with the pending timeout as its schedule timeout)."""
     name = job["metadata"]["name"]
-    group: dict[str, Any] = {"minMember": spec.min_replicas}
+    group: dict[str, Any] = {"minMember": spec.pods(spec.min_replicas)}
     if volcano(spec):
         annotations = (spec.template.get("metadata") or {}).get("annotations") or {}
         if annotations.get(VOLCANO_QUEUE_ANNOTATION):
@@ -186,7 +188,11 @@ def worker_pod(job: dict[str, Any], spec: JobSpec) -> dict[str, Any]:
     agent = containers[0]
     agent.setdefault("name", "agent")
     agent.setdefault("command", ["liveshard-agent"])
-    agent["env"] = [*(agent.get("env") or []), *_agent_env(name, spec), *_threads(agent)]
+    per_pod = spec.members_per_pod
+    agent["env"] = [
+        *(agent.get("env") or []), *_agent_env(name, spec), *_threads(agent, per_pod),
+        *([{"name": "LIVESHARD_POD_MEMBERS", "value": str(per_pod)}] if per_pod > 1 else []),
+    ]  # fmt: skip
     ports = agent.setdefault("ports", [])
     for port_name, number in (("agent", spec.port), ("metrics", DEFAULT_METRICS_PORT)):
         if not any(p.get("containerPort") == number for p in ports):
@@ -216,6 +222,8 @@ def worker_pod(job: dict[str, Any], spec: JobSpec) -> dict[str, Any]:
     pod_spec.setdefault("terminationGracePeriodSeconds", int(grace))
     labels = {**(metadata.get("labels") or {}), JOB_LABEL: name, ROLE_LABEL: STANDBY}
     annotations = dict(metadata.get("annotations") or {})
+    if per_pod > 1:
+        annotations[MEMBERS_ANNOTATION] = str(per_pod)
     if spec.gang and volcano(spec):
         annotations[VOLCANO_GROUP_ANNOTATION] = name
     elif spec.gang:
@@ -246,16 +254,29 @@ def cpu_count(quantity: Any) -> int | None:
     return max(1, math.ceil(cores)) if math.isfinite(cores) and cores > 0 else None
 
 
-def _threads(agent: dict[str, Any]) -> list[dict[str, Any]]:
+def pod_members(pod: dict[str, Any]) -> list[str]:
+    """The members a worker pod runs: the pod itself, or `<pod>-<k>` for each of the
+    `MEMBERS_ANNOTATION` members it was created with."""
+    name = pod["metadata"]["name"]
+    count = annotation(pod, MEMBERS_ANNOTATION)
+    if not count.isdigit() or int(count) <= 1:
+        return [name]
+    return [f"{name}-{k}" for k in range(int(count))]
+
+
+def _threads(agent: dict[str, Any], members: int) -> list[dict[str, Any]]:
     """torch's intra-op threads for the CPUs the container has (its CPU limit, else its
-    request), unless the user set them: by default torch starts a thread per core of the node,
-    and members sharing a node would then slow each other's collectives to a crawl."""
+    request; shared by its `members`), unless the user set them: by default torch starts a
+    thread per core of the node, and members sharing a node would then slow each other's
+    collectives to a crawl."""
     if any(e.get("name") == "OMP_NUM_THREADS" for e in agent.get("env") or []):
         return []
     resources = agent.get("resources") or {}
     cpus = [cpu_count((resources.get(k) or {}).get("cpu", "")) for k in ("limits", "requests")]
     threads = next((c for c in cpus if c is not None), None)
-    return [] if threads is None else [{"name": "OMP_NUM_THREADS", "value": str(threads)}]
+    if threads is None:
+        return []
+    return [{"name": "OMP_NUM_THREADS", "value": str(max(threads // members, 1))}]
 
 
 def _agent_env(job_name: str, spec: JobSpec) -> list[dict[str, Any]]:

@@ -64,6 +64,9 @@ class Parallelism:
 
 @dataclass(frozen=True)
 class JobSpec:
+    """The job's spec, parsed. Its replica counts are of *members*: the spec's counts of pods
+    times `members_per_pod` (a pod of several devices runs a member on each)."""
+
     replicas: int
     min_replicas: int
     max_replicas: int
@@ -80,6 +83,7 @@ class JobSpec:
     max_start_failures: int  # pods failed to start in a row before the job without a world fails
     template: dict[str, Any] = field(repr=False)
     snapshots: bool = True  # mirror ZeRO shards (`Layout.mirror`) wherever the layout can
+    members_per_pod: int = 1  # spec.membersPerPod, else the worker's nvidia.com/gpu, else 1
 
     @classmethod
     def parse(cls, spec: dict[str, Any]) -> JobSpec:
@@ -105,7 +109,7 @@ class JobSpec:
             model_path=model.get("path"),
             init=model.get("init"),
             precision=model.get("precision"),
-            device=spec.get("device") or ("cuda" if _requests_gpus(template) else "cpu"),
+            device=spec.get("device") or ("cuda" if _gpus(template) else "cpu"),
             training=TrainingSettings.from_crd(spec),
             deadlines=_deadlines(reconf),
             budget_bytes=parse_quantity(
@@ -115,10 +119,12 @@ class JobSpec:
                 spec.get("rebalance") or {}, "spec.rebalance", crd=True
             ),
         )
+        per_pod = _members_per_pod(spec, template)
         job = cls(
-            replicas=int(spec.get("replicas", 0)),
-            min_replicas=int(spec.get("minReplicas", 1)),
-            max_replicas=int(spec.get("maxReplicas", spec.get("replicas", 1))),
+            replicas=int(spec.get("replicas", 0)) * per_pod,
+            min_replicas=int(spec.get("minReplicas", 1)) * per_pod,
+            max_replicas=int(spec.get("maxReplicas", spec.get("replicas", 1))) * per_pod,
+            members_per_pod=per_pod,
             parallelism=Parallelism(
                 tp=par.get("tp"),
                 pp=par.get("pp"),
@@ -191,6 +197,16 @@ class JobSpec:
             )
         except InvalidInput as err:
             raise InvalidInput(f"spec.parallelism: {err}") from None
+        per_pod = self.members_per_pod
+        if per_pod > 1 and p.tp is not None and per_pod % p.tp:
+            raise InvalidInput(
+                f"spec.parallelism.tp={p.tp} must divide the {per_pod} members of a pod: a "
+                "tensor-parallel group stays inside one"
+            )
+
+    def pods(self, members: int) -> int:
+        """The pods that hold `members` members."""
+        return -(-members // self.members_per_pod)
 
     def model_spec(self) -> ModelSpec:
         """The model as the agents build it."""
@@ -220,10 +236,32 @@ def _at_least_one(value: Any, field_name: str) -> int:
     raise InvalidInput(f"{field_name}={value!r} must be an integer >= 1")
 
 
-def _requests_gpus(template: dict[str, Any]) -> bool:
-    for container in (template.get("spec") or {}).get("containers") or []:
-        resources = container.get("resources") or {}
-        for kind in ("limits", "requests"):
-            if "nvidia.com/gpu" in (resources.get(kind) or {}):
-                return True
-    return False
+def _gpus(template: dict[str, Any]) -> int:
+    """The `nvidia.com/gpu` the worker container (the first) asks for: its limit, else its
+    request (0: none)."""
+    containers = (template.get("spec") or {}).get("containers") or [{}]
+    resources = containers[0].get("resources") or {}
+    for kind in ("limits", "requests"):
+        count = (resources.get(kind) or {}).get("nvidia.com/gpu")
+        if count is not None:
+            try:
+                return int(str(count))
+            except ValueError:
+                raise InvalidInput(
+                    f"spec.template: nvidia.com/gpu={count!r} must be a whole number"
+                ) from None
+    return 0
+
+
+def _members_per_pod(spec: dict[str, Any], template: dict[str, Any]) -> int:
+    """spec.membersPerPod, else one member per GPU of the worker container, else 1."""
+    gpus = _gpus(template)
+    if "membersPerPod" not in spec:
+        return max(gpus, 1)
+    count = _at_least_one(spec["membersPerPod"], "spec.membersPerPod")
+    if gpus and count != gpus:
+        raise InvalidInput(
+            f"spec.membersPerPod={count} must equal the worker container's nvidia.com/gpu="
+            f"{gpus}: a member per device"
+        )
+    return count

@@ -59,10 +59,14 @@ def note(draft: Draft, members: set[str]) -> bool:
     """Count, report and replace with backoff the pods that failed to start (see the module's
     docstring); `members`: those of the worlds the record names. True when the job fails."""
     seen, now = draft.seen, draft.now
-    failed = {p.name: why for p in _by_age(seen) if (why := failed_start(p, members))}
+    failing = {p.name: why for p in _by_age(seen) if (why := failed_start(p, members))}
+    failed: dict[str, str] = {}  # per pod: its members fail together
+    for name, why in failing.items():
+        failed.setdefault(seen.pod_name(name), why)
     row = draft.record.start_failures
-    row = replace(row, pods=tuple(p for p in row.pods if p in seen.pods))
-    draft.seen = Observation({n: replace(p, gone=True) if n in failed else p
+    here = {p.pod_name for p in seen.pods.values()}
+    row = replace(row, pods=tuple(p for p in row.pods if p in here))
+    draft.seen = Observation({n: replace(p, gone=True) if n in failing else p
                               for n, p in seen.pods.items()})  # fmt: skip
     if row.count and any(p.ready and p.since >= int(row.at) for p in draft.seen.live()):
         row = replace(row, count=0, last="", at=0.0, retry_after=0.0)  # one started fine
@@ -77,11 +81,11 @@ def note(draft: Draft, members: set[str]) -> bool:
         draft.after.append(Event(EventType.WARNING, REASON, message + then))
     draft.record = replace(draft.record, start_failures=row)
     if fails:
-        _fail(draft, failed)
+        _fail(draft, failing)
         return True
     if now >= row.retry_after:  # its replacement may be created: the failed pod goes
-        for name in failed:
-            _delete(draft, seen.pods[name], f"failed before it became a member: {failed[name]}")
+        for name in failing:
+            _delete(draft, seen.pods[name], f"failed before it became a member: {failing[name]}")
     if row.count:
         draft.missing = Missing(REASON, _summary(draft, row))
     return False
@@ -111,7 +115,7 @@ def _fail(draft: Draft, failed: dict[str, str]) -> None:
     draft.after.append(Event(EventType.WARNING, FAILED, message))
     for pod in draft.seen.pods.values():  # the failed ones stay, for their logs
         if not pod.gone and not pod.leaving:
-            draft.before += [ReleaseMember(pod.name), DeletePod(pod.name)]
+            draft.before += [ReleaseMember(pod.name), DeletePod(pod.pod_name)]
     for name in failed:  # unless they still run (an agent that reports FAILED)
         pod = draft.seen.pods[name]
         if pod.agent is not None:
@@ -122,7 +126,7 @@ def _delete(draft: Draft, pod: Pod, why: str, actions: list[Action] | None = Non
     out = draft.after if actions is None else actions
     if pod.agent is not None:  # an agent that reports FAILED serves until released
         out.append(ReleaseMember(pod.name))
-    out.append(DeletePod(pod.name, because=why))
+    out.append(DeletePod(pod.pod_name, because=why))
 
 
 def _summary(draft: Draft, row: StartFailures) -> str:

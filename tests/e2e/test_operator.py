@@ -135,9 +135,11 @@ def agent_status(
     *,
     tls: bool = True,
     operator: dict[str, bytes] | None = None,
+    member: str = "",
 ) -> pb.AgentStatus:
-    """GetStatus of a worker's agent, presenting the operator's client certificate (`tls`) as
-    the operator does (from its Secret, or `operator`: its data as it was), or in plaintext."""
+    """GetStatus of a worker's agent (of `member`, in a pod of several), presenting the
+    operator's client certificate (`tls`) as the operator does (from its Secret, or `operator`:
+    its data as it was), or in plaintext."""
     address = f"{pod['status']['podIP']}:7070"
     if tls:
         operator = operator or secret_data(kube, f"{JOB}-operator-tls")
@@ -153,6 +155,7 @@ def agent_status(
         channel = grpc.insecure_channel(address)
     with channel:
         metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        metadata += (("liveshard-member", member),) if member else ()
         return pb_grpc.AgentStub(channel).GetStatus(pb.GetStatusRequest(), timeout=10,
                                                     metadata=metadata)  # fmt: skip
 
@@ -367,6 +370,62 @@ def test_a_job_starts_with_the_pods_that_land_and_grows_as_more_do(operator: Kub
         steps.wait(lambda s: s.get("step", 0) > placed["step"], "training on with 4")
     finally:
         kube.run("kubectl", "uncordon", *closed, check=False)
+
+
+def test_pods_of_two_members_keep_tp_inside_scale_and_drain_whole(operator: Kube) -> None:
+    # Each node has 2 GPUs: a worker of 2 (its members train on CPU) takes a node. tp=2 groups
+    # stay inside pods; pods join and leave whole, each with one agent endpoint.
+    kube = operator
+    body = job(2, parallelism={"tp": 2, "zero": 1})
+    limits = body["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    limits["nvidia.com/gpu"] = 2
+    kube.apply(body)
+    steps = Steps(kube)
+
+    def pods_of(s: dict[str, Any]) -> list[str]:
+        return [m.rsplit("-", 1)[0] for m in s["members"]]
+
+    def tp_inside_pods(s: dict[str, Any]) -> bool:
+        owners = pods_of(s)
+        return all(owners[i] == owners[i + 1] for i in range(0, len(owners), 2))
+
+    def running(pods: int, epoch: int | None = None) -> Callable[[dict[str, Any]], bool]:
+        return lambda s: training(pods, epoch)(s) and len(s.get("members", [])) == 2 * pods
+
+    first = steps.wait(running(2), "training with 2 pods of 2", STARTUP)
+    assert first["layout"].startswith("dp=2,tp=2") and tp_inside_pods(first), first
+    pods = members(kube)
+    assert set(pods_of(first)) == set(pods) and len(pods) == 2
+    # The pod's one endpoint answers for each of its members.
+    secret = token(kube)
+    for name in first["members"]:
+        agent = agent_status(kube, pods[name.rsplit("-", 1)[0]], secret, member=name)
+        assert agent.member == name and agent.epoch == first["epoch"]
+
+    kube.kubectl("scale", f"etj/{JOB}", "--replicas=3")
+    grown = steps.wait(running(3, first["epoch"] + 1), "grown to 3 pods", STARTUP)
+    assert grown["layout"].startswith("dp=3,tp=2") and tp_inside_pods(grown), grown
+    assert set(first["members"]) < set(grown["members"])
+    steps.wait(lambda s: s.get("step", 0) > grown["step"], "training on with 3 pods")
+
+    # A drained node's pod leaves whole, in one live reconfiguration; its replacement cannot be
+    # placed (every other node's GPUs are taken) until the node is back.
+    pods = members(kube)
+    victim = pods_of(grown)[-1]
+    node = pods[victim]["spec"]["nodeName"]
+    try:
+        drain = ["drain", node, "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=240s"]
+        kube.run("kubectl", *drain, "--pod-selector", f"liveshard.io/job={JOB}", timeout=300)
+        drained = steps.wait(running(2, grown["epoch"] + 1), "trained on by 2 pods")
+        assert victim not in pods_of(drained) and tp_inside_pods(drained), drained
+        (evicted,) = [h for h in drained["history"] if h["reason"].startswith("evicting")]
+        assert evicted["reason"] == f"evicting {victim}-0, {victim}-1", evicted
+        assert evicted["result"] == "committed", evicted
+    finally:
+        kube.run("kubectl", "uncordon", node, check=False)
+    back = steps.wait(running(3, drained["epoch"] + 1), "back to 3 pods", STARTUP)
+    assert tp_inside_pods(back)
+    steps.wait(lambda s: s.get("step", 0) > back["step"], "training on")
 
 
 def test_a_suspended_job_resumes_in_another_layout_at_the_same_step(

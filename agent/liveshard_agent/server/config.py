@@ -6,6 +6,13 @@ token: a secret on the command line is visible to every process on the node).
     LIVESHARD_POD_IP   the address it serves on and hosts stores on (the pod's IP)
     LIVESHARD_PORT     the API's port (default 7070)
     LIVESHARD_METRICS_PORT  the port of its Prometheus metrics (default 9400; 0: none)
+    LIVESHARD_METRICS_HOST  the address its metrics are served on (default: the pod IP)
+    LIVESHARD_LISTEN   a gRPC address (unix:PATH) that replaces LIVESHARD_POD_IP:LIVESHARD_PORT
+                       as the API's: a member of a pod of several is reached through the pod's
+                       supervisor (`pod`) only
+    LIVESHARD_POD_MEMBERS  the members in this pod (default 1); from 2, this process is the pod's
+                       supervisor: it starts one agent per member and serves their APIs and
+                       metrics on the pod's ports
     LIVESHARD_TOKEN    the job's token; every call must carry it, and it seals what members act
                        on in the job's store (`engine.sealed`)
     LIVESHARD_CONFIG   JSON: what the job trains and how it switches (`JobConfig.from_json`)
@@ -61,11 +68,16 @@ class AgentConfig:
     metrics_port: int = DEFAULT_METRICS_PORT  # 0: no metrics
     log_format: str = "text"  # one of liveshard_core.logs.FORMATS
     tls: Tls | None = None  # None: the API in plaintext
+    pod_members: int = 1  # from 2: the pod's supervisor (`pod`), not an agent
+    listen: str | None = None  # the API's address instead of the pod IP and port
+    metrics_host: str = ""  # "": the pod IP
 
     @property
     def address(self) -> str:
-        """The address gRPC binds: the pod IP, never a wildcard (pods on the local cluster
-        share one port space)."""
+        """The address gRPC binds: LIVESHARD_LISTEN, or the pod IP, never a wildcard (pods on
+        the local cluster share one port space)."""
+        if self.listen is not None:
+            return self.listen
         host = f"[{self.pod_ip}]" if ":" in self.pod_ip else self.pod_ip
         return f"{host}:{self.port}"
 
@@ -105,11 +117,8 @@ def load(environ: Mapping[str, str], argv: list[str] | None = None) -> AgentConf
 
     job = value("LIVESHARD_JOB", args.job)
     member = value("LIVESHARD_MEMBER", args.member)
-    pod_ip = value("LIVESHARD_POD_IP", args.pod_ip)
-    try:
-        ipaddress.ip_address(pod_ip)
-    except ValueError:
-        raise ConfigError(f"LIVESHARD_POD_IP: {pod_ip!r} is not an IP address") from None
+    pod_ip = _ip("LIVESHARD_POD_IP", value("LIVESHARD_POD_IP", args.pod_ip))
+    metrics_host = _ip("LIVESHARD_METRICS_HOST", value("LIVESHARD_METRICS_HOST", None, pod_ip))
     port = _port("LIVESHARD_PORT", value("LIVESHARD_PORT", args.port, str(DEFAULT_PORT)), 1)
     metrics_port = _port(
         "LIVESHARD_METRICS_PORT",
@@ -118,6 +127,10 @@ def load(environ: Mapping[str, str], argv: list[str] | None = None) -> AgentConf
     )
     if metrics_port == port:
         raise ConfigError(f"LIVESHARD_METRICS_PORT: {port} is the API's port (LIVESHARD_PORT)")
+    pod_members = _pod_members(value("LIVESHARD_POD_MEMBERS", None, "1"), metrics_port, port)
+    listen = environ.get("LIVESHARD_LISTEN", "").strip() or None
+    if listen is not None and not listen.startswith("unix:"):
+        raise ConfigError(f"LIVESHARD_LISTEN: {listen!r} must be a Unix socket (unix:PATH)")
     token = environ.get("LIVESHARD_TOKEN", "")
     if not token:
         raise ConfigError("LIVESHARD_TOKEN: required, and not set (the job's token)")
@@ -134,8 +147,9 @@ def load(environ: Mapping[str, str], argv: list[str] | None = None) -> AgentConf
             f"LIVESHARD_LOG_FORMAT: {log_format!r} must be one of {', '.join(logs.FORMATS)}"
         )
     return AgentConfig(
-        job, member, pod_ip, port, token, job_config, metrics_port, log_format, _tls(environ)
-    )
+        job, member, pod_ip, port, token, job_config, metrics_port, log_format, _tls(environ),
+        pod_members, listen, metrics_host,
+    )  # fmt: skip
 
 
 def _tls(environ: Mapping[str, str]) -> Tls | None:
@@ -155,6 +169,30 @@ def _tls(environ: Mapping[str, str]) -> Tls | None:
             raise ConfigError(f"{variable}: not a PEM {marker.rstrip('-').lower()}")
     cert, key, ca = (v.encode() + b"\n" for v in values)
     return Tls(cert, key, ca)
+
+
+def _ip(variable: str, text: str) -> str:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        raise ConfigError(f"{variable}: {text!r} is not an IP address") from None
+    return text
+
+
+def _pod_members(text: str, metrics_port: int, port: int) -> int:
+    """LIVESHARD_POD_MEMBERS as a count; ConfigError if it is none, or if the members'
+    metrics ports (the pod's metrics port + 1 + k) are no ports or take the API's."""
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"LIVESHARD_POD_MEMBERS: {text!r} must be an integer from 1 up")
+    count = int(text)
+    members_ports = range(metrics_port + 1, metrics_port + 1 + count)
+    if count > 1 and metrics_port and (members_ports[-1] > 65535 or port in members_ports):
+        raise ConfigError(
+            f"LIVESHARD_METRICS_PORT: the pod's {count} members serve their metrics on ports "
+            f"{members_ports[0]}..{members_ports[-1]}, which must be below 65536 and not the "
+            f"API's ({port})"
+        )
+    return count
 
 
 def _port(variable: str, text: str, lowest: int) -> int:

@@ -4,7 +4,8 @@
     LIVESHARD_CONFIG='{"model": {"preset": "tiny"}}' liveshard-agent
 
 Exit status: 0 once released, 1 if it could not serve or its member failed (after a Release),
-2 for a bad configuration (one line on stderr naming the variable and field).
+2 for a bad configuration (one line on stderr naming the variable and field). With
+LIVESHARD_POD_MEMBERS from 2 it is the supervisor of a pod of several members instead (`pod`).
 
 SIGTERM does not stop the agent: it reports `terminating` and keeps serving and training until
 the operator has moved its state out and released it, or the kubelet kills it at the end of the
@@ -47,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"liveshard-agent: {err}", file=sys.stderr)
         return 2
     logs.configure(os.environ.get("LIVESHARD_LOG_LEVEL", "INFO").upper(), config.log_format)
+    if config.pod_members > 1:
+        from .pod import supervise  # no torch: the pod's members, each an agent, import it
+
+        return supervise(config, os.environ, sys.argv[1:] if argv is None else argv)
     board = StatusBoard(Snapshot(member=config.member, steps=config.job_config.training.steps))
     threading.Thread(target=_follow_sigterm, args=(board,), name="sigterm", daemon=True).start()
     try:

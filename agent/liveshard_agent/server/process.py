@@ -152,17 +152,19 @@ def _exit_when_discarded(
 def serve_metrics(
     metrics: Metrics, config: AgentConfig, logger: logging.LoggerAdapter[logging.Logger]
 ) -> WSGIServer | None:
-    """`metrics` served on the pod IP at LIVESHARD_METRICS_PORT, or None when that is 0 or the
-    port cannot be had: metrics are worth no stopped training (agents sharing one address, as
-    the tests' do, find the default port taken), so that is logged, not fatal."""
+    """`metrics` served on LIVESHARD_METRICS_HOST (the pod IP unless set) at
+    LIVESHARD_METRICS_PORT, or None when that is 0 or the port cannot be had: metrics are worth
+    no stopped training (agents sharing one address, as the tests' do, find the default port
+    taken), so that is logged, not fatal."""
     if config.metrics_port == 0:
         return None
+    host = config.metrics_host or config.pod_ip
     try:
-        metrics_server = metrics.serve(config.pod_ip, config.metrics_port)
+        metrics_server = metrics.serve(host, config.metrics_port)
     except OSError as err:
         logger.warning("no metrics: cannot serve on port %s: %s", config.metrics_port, err)
         return None
-    logger.info("serving metrics at %s:%s/metrics", config.pod_ip, config.metrics_port)
+    logger.info("serving metrics at %s:%s/metrics", host, config.metrics_port)
     return metrics_server
 
 

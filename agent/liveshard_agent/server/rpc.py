@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -19,7 +18,7 @@ import grpc
 from liveshard.v1 import agent_pb2 as pb
 from liveshard_core.errors import InvalidInput
 
-from .auth import TokenAuth
+from . import listen
 from .certs import ServingCertificate
 from .errors import status_of
 from .service import WATCH_LIMIT, AgentService
@@ -27,7 +26,6 @@ from .service import WATCH_LIMIT, AgentService
 log = logging.getLogger(__name__)
 
 SERVICE = "liveshard.v1.Agent"
-_MAX_REQUEST_BYTES = 1 << 20  # the largest request is a Prepare of two layouts' member names
 
 
 def _parse(kind: Any, raw: bytes) -> Any:
@@ -90,33 +88,11 @@ def handlers(service: AgentService) -> grpc.GenericRpcHandler:
 
 
 _THREADS = WATCH_LIMIT + 16  # watchers hold a thread each; the rest serve the unary calls
-MAX_CALLS = 2 * _THREADS  # calls in service or queued at once
 
 
 def start_server(
     service: AgentService, token: str, address: str, tls: ServingCertificate | None = None
 ) -> grpc.Server:
-    """Serve on `address` (the pod IP and port); RuntimeError if it cannot be bound.
-
-    With `tls`, over mutual TLS: a caller that presents no client certificate signed by the
-    job's CA is refused at the handshake, before the token is even read; a rotated serving
-    certificate is taken by the next handshake. Without it, in plaintext, guarded by the token
-    alone."""
-    server = grpc.server(
-        ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix="agent-rpc"),
-        handlers=[handlers(service)],
-        interceptors=[TokenAuth(token)],
-        # Calls beyond the threads wait in a bounded queue; more are refused RESOURCE_EXHAUSTED.
-        maximum_concurrent_rpcs=MAX_CALLS,
-        options=[
-            ("grpc.so_reuseport", 0),  # a port another process holds is an error, not shared
-            ("grpc.max_receive_message_length", _MAX_REQUEST_BYTES),
-        ],
-    )
-    if tls is None:
-        log.warning("serving the agent API on %s in plaintext: no LIVESHARD_TLS_* set", address)
-        server.add_insecure_port(address)
-    else:
-        server.add_secure_port(address, tls.credentials())
-    server.start()
-    return server
+    """Serve `service` on `address` (the pod IP and port, or a member's socket); RuntimeError if
+    it cannot be bound (`listen.serve`)."""
+    return listen.serve(handlers(service), token, address, tls, _THREADS, "agent-rpc")

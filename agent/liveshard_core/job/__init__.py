@@ -8,7 +8,7 @@ operator sends, the local launcher once from its flags (`flags`): a new setting 
 one schema entry in the CRD and a flag that derives from its name.
 """
 
-from .config import DEFAULT_BUDGET, DEFAULT_METRICS_PORT, DEFAULT_PORT, JobConfig
+from .config import DEFAULT_BUDGET, DEFAULT_METRICS_PORT, DEFAULT_PORT, MEMBER_KEY, JobConfig
 from .deadlines import Deadlines
 from .outcome import Cause, Result
 from .settings import TrainingSettings
@@ -17,6 +17,7 @@ __all__ = [
     "DEFAULT_BUDGET",
     "DEFAULT_METRICS_PORT",
     "DEFAULT_PORT",
+    "MEMBER_KEY",
     "Cause",
     "Deadlines",
     "JobConfig",

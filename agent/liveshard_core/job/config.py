@@ -23,6 +23,7 @@ from .settings import TrainingSettings
 
 DEFAULT_PORT = 7070  # the agent API's
 DEFAULT_METRICS_PORT = 9400  # the agent's Prometheus metrics
+MEMBER_KEY = "liveshard-member"  # the gRPC metadata key naming the member a call is for
 DEFAULT_BUDGET = 256 << 20  # transfer buffer bytes per member per round
 PRECISIONS = ("fp32", "bf16")
 INITS = ("pretrained", "random")

@@ -1,0 +1,335 @@
+"""The supervisor of a worker pod of several members: one agent per member, one endpoint per pod.
+
+A pod may hold several members (one per GPU). With LIVESHARD_POD_MEMBERS=N from 2,
+`liveshard-agent` starts N agents as child processes instead of being one. Member k is named
+`<pod>-k` and is a whole agent: it serves its API in plaintext on a Unix socket in a folder only
+this pod's user can enter (LIVESHARD_LISTEN), its metrics on 127.0.0.1 at the pod's metrics port
++ 1 + k, gets the k-th of the pod's GPUs when CUDA_VISIBLE_DEVICES lists one for each, and hosts
+stores and process groups on the pod IP, as a pod's lone agent does. The supervisor serves:
+
+- the `liveshard.v1.Agent` API on the pod's address, behind the same mutual TLS and token check
+  as an agent's (`certs`, `auth`), as a proxy: the metadata key `liveshard-member` names the
+  member a call is for; the request's bytes, the caller's metadata and its remaining deadline go
+  to that member's agent unparsed, and its answer or status comes back as it is (an UNAVAILABLE
+  with the member's name in front: it may be that the member does not answer);
+- `/metrics` on the pod's metrics port: its members' expositions merged family by family.
+
+SIGTERM is passed on to every member (each reports `terminating` and serves until released). The
+supervisor exits once every member has: 0 if all exited 0 (each was released), else the first
+non-zero status. A member that fails (exits non-zero: it crashed or was killed) ends the pod: the
+others are killed, and the pod's members are lost and replaced together, as they join and leave.
+Members log to the pod's own stdout and stderr, so the kubelet's termination message (the log's
+last lines) is theirs.
+
+This module must not import torch (the supervisor starts in a moment; its members import it) nor
+hold agent logic: every call is answered by the member it names.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import urllib.request
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, NoReturn
+from wsgiref.simple_server import WSGIServer
+
+import grpc
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from liveshard.v1 import agent_pb2 as pb
+from liveshard_core.job import MEMBER_KEY
+
+from ..engine.record import context_logger
+from . import listen
+from .certs import ServingCertificate
+from .config import TLS_VARIABLES, AgentConfig
+
+log = logging.getLogger(__name__)
+
+MEMBERS_HOST = "127.0.0.1"  # where the members serve their metrics: inside the pod only
+_SERVICE = pb.DESCRIPTOR.services_by_name["Agent"]
+# An agent serves 16 watchers and 16 more calls at once; the proxy holds a thread for each call
+# it forwards.
+_CALLS_PER_MEMBER = 32
+# A member's socket appears once its agent has imported torch: retry it often, not grpc's
+# default backoff of up to two minutes.
+_CHANNEL_OPTIONS = [("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+# grpc gives a call without a deadline some 2**63 seconds; forwarded, that overflows.
+_NO_DEADLINE = 1e8
+_METRICS_TIMEOUT = 2.0  # seconds a member has to answer for its metrics
+_STOP_GRACE = 5.0  # seconds for calls in flight when the proxy stops
+
+
+@dataclass(frozen=True)
+class PodMember:
+    """One member of the pod: its name, its API's address and its metrics' port (0: none)."""
+
+    name: str
+    address: str
+    metrics_port: int
+
+
+def pod_members(config: AgentConfig, folder: Path) -> list[PodMember]:
+    """The pod's members, their sockets in `folder`."""
+    return [
+        PodMember(
+            f"{config.member}-{k}",
+            f"unix:{folder / f'member-{k}.sock'}",
+            config.metrics_port + 1 + k if config.metrics_port else 0,
+        )
+        for k in range(config.pod_members)
+    ]
+
+
+def member_env(environ: Mapping[str, str], member: PodMember, k: int, count: int) -> dict[str, str]:
+    """The environment of member `k` of `count`: the pod's, less its TLS material (a member's
+    API is reached through the supervisor only) and member count, with the k-th GPU when there
+    is one for each member."""
+    dropped = {*TLS_VARIABLES, "LIVESHARD_POD_MEMBERS"}
+    env = {key: value for key, value in environ.items() if key not in dropped}
+    env.update(
+        LIVESHARD_MEMBER=member.name, LIVESHARD_LISTEN=member.address,
+        LIVESHARD_METRICS_HOST=MEMBERS_HOST, LIVESHARD_METRICS_PORT=str(member.metrics_port),
+    )  # fmt: skip
+    devices = [d.strip() for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if len(devices) >= count:
+        env["CUDA_VISIBLE_DEVICES"] = devices[k]
+    return env
+
+
+class Proxy(grpc.GenericRpcHandler):
+    """The Agent service's methods, each forwarded to the member its call names."""
+
+    def __init__(self, members: list[PodMember]) -> None:
+        self._channels = {
+            m.name: grpc.insecure_channel(m.address, _CHANNEL_OPTIONS) for m in members
+        }
+        self._streaming = {
+            f"/{_SERVICE.full_name}/{method.name}": method.server_streaming
+            for method in _SERVICE.methods
+        }
+
+    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
+        streaming = self._streaming.get(details.method)
+        if streaming is None:
+            return None  # UNIMPLEMENTED
+        if streaming:
+            return grpc.unary_stream_rpc_method_handler(partial(self._stream, details.method))
+        return grpc.unary_unary_rpc_method_handler(partial(self._unary, details.method))
+
+    def _unary(self, method: str, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        member, channel = self._route(context)
+        call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(method)
+        try:
+            return bytes(call(raw, timeout=_remaining(context), metadata=_metadata(context)))
+        except grpc.RpcError as err:
+            _pass_on(err, member, context)
+
+    def _stream(self, method: str, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        member, channel = self._route(context)
+        call: grpc.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream(method)
+        answers = call(raw, timeout=_remaining(context), metadata=_metadata(context))
+
+        def cancel() -> None:  # the caller gone (or the stream over): the member's ends too
+            answers.cancel()
+
+        context.add_callback(cancel)
+        try:
+            yield from answers
+        except grpc.RpcError as err:
+            if context.is_active():
+                _pass_on(err, member, context)
+
+    def _route(self, context: grpc.ServicerContext) -> tuple[str, grpc.Channel]:
+        names = [str(v) for k, v in context.invocation_metadata() or () if k == MEMBER_KEY]
+        members = ", ".join(self._channels)
+        if len(names) != 1:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{MEMBER_KEY}: one required, naming the member the call is for "
+                f"(this pod's: {members})",
+            )
+        channel = self._channels.get(names[0])
+        if channel is None:
+            context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"{MEMBER_KEY}: no member {names[0]!r} in this pod (its members: {members})",
+            )
+        return names[0], channel
+
+    def close(self) -> None:
+        for channel in self._channels.values():
+            channel.close()
+
+
+def _metadata(context: grpc.ServicerContext) -> tuple[tuple[str, str | bytes], ...]:
+    return tuple((key, value) for key, value in context.invocation_metadata() or ())
+
+
+def _remaining(context: grpc.ServicerContext) -> float | None:
+    seconds = context.time_remaining()
+    return None if seconds is None or seconds > _NO_DEADLINE else seconds
+
+
+def _pass_on(err: grpc.RpcError, member: str, context: grpc.ServicerContext) -> NoReturn:
+    code, details = err.code(), err.details() or ""
+    if code is grpc.StatusCode.UNAVAILABLE:
+        details = f"member {member}: {details}"
+    context.abort(code, details)
+
+
+class MergedMetrics:
+    """A collector of the members' expositions, fetched at each scrape; a member that does not
+    answer in time is left out of that scrape."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self._urls = urls
+
+    def collect(self) -> Iterable[Metric]:
+        with ThreadPoolExecutor(len(self._urls)) as pool:
+            texts = list(pool.map(_fetch, self._urls))
+        families: dict[str, Metric] = {}
+        for text in texts:
+            for family in text_string_to_metric_families(text):
+                if family.name in families:
+                    families[family.name].samples.extend(family.samples)
+                else:
+                    families[family.name] = family
+        return families.values()
+
+
+def _fetch(url: str) -> str:
+    try:
+        with urllib.request.urlopen(url, timeout=_METRICS_TIMEOUT) as answer:
+            return str(answer.read().decode())
+    except OSError as err:  # not serving yet, gone, or too slow
+        log.debug("no metrics from %s: %s", url, err)
+        return ""
+
+
+def _serve_api(config: AgentConfig, proxy: Proxy) -> grpc.Server:
+    """The proxy on the pod's address, served as an agent's API is; RuntimeError if the address
+    cannot be bound."""
+    tls = ServingCertificate(config.tls) if config.tls is not None else None
+    threads = _CALLS_PER_MEMBER * config.pod_members
+    return listen.serve(proxy, config.token, config.address, tls, threads, "pod-rpc")
+
+
+def _serve_metrics(
+    config: AgentConfig, members: list[PodMember], logger: logging.LoggerAdapter[logging.Logger]
+) -> WSGIServer | None:
+    """The members' metrics merged, on the pod's metrics port; None when that is 0 or taken (worth
+    no stopped pod, as for an agent)."""
+    if not config.metrics_port:
+        return None
+    registry = CollectorRegistry()
+    registry.register(
+        MergedMetrics([f"http://{MEMBERS_HOST}:{m.metrics_port}/metrics" for m in members])
+    )
+    host = config.metrics_host or config.pod_ip
+    try:
+        server, _ = start_http_server(config.metrics_port, host, registry)
+    except OSError as err:
+        logger.warning("no metrics: cannot serve on port %s: %s", config.metrics_port, err)
+        return None
+    return server
+
+
+def _command(member: PodMember, argv: list[str]) -> list[str]:
+    """This installation's `liveshard-agent` with the pod's flags, the member's own last (the
+    last of a flag wins)."""
+    script = Path(sys.executable).parent / "liveshard-agent"
+    agent = [str(script)] if script.exists() else [sys.executable, "-m", __package__ + ".main"]
+    return [*agent, *argv, "--member", member.name, "--metrics-port", str(member.metrics_port)]
+
+
+def _pass_sigterm(children: list[subprocess.Popen[bytes]]) -> None:
+    """Wait for SIGTERM (blocked on every other thread, as in an agent) and send it on."""
+    while True:
+        signal.sigwait({signal.SIGTERM})
+        log.warning("SIGTERM: passed on to the pod's %s members", len(children))
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+
+
+def supervise(config: AgentConfig, environ: Mapping[str, str], argv: list[str]) -> int:
+    """Run the pod's members until every one has exited; the pod's exit status."""
+    logger = context_logger(log, job=config.job, epoch=-1, member=config.member)
+    folder = Path(tempfile.mkdtemp(prefix="liveshard-"))  # mode 0700: the members' sockets
+    members = pod_members(config, folder)
+    proxy = Proxy(members)
+    children: list[subprocess.Popen[bytes]] = []
+    try:
+        try:
+            server = _serve_api(config, proxy)
+        except RuntimeError as err:  # grpc's: the address is not this host's, or the port taken
+            logger.error("cannot serve on %s: %s", config.address, err)
+            return 1
+        metrics_server = _serve_metrics(config, members, logger)
+        for k, member in enumerate(members):
+            env = member_env(environ, member, k, len(members))
+            children.append(subprocess.Popen(_command(member, argv), env=env))
+        threading.Thread(
+            target=_pass_sigterm, args=(children,), name="sigterm", daemon=True
+        ).start()
+        logger.info(
+            "serving the pod's members %s on %s", ", ".join(m.name for m in members), config.address
+        )
+        status = _wait(members, children, logger)
+        server.stop(_STOP_GRACE).wait()
+        if metrics_server is not None:
+            metrics_server.shutdown()
+            metrics_server.server_close()
+        return status
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        for child in children:  # only when the supervisor itself failed: no member outlives it
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        proxy.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _wait(
+    members: list[PodMember],
+    children: list[subprocess.Popen[bytes]],
+    logger: logging.LoggerAdapter[logging.Logger],
+) -> int:
+    """Once every child has exited: 0 if all exited 0 (each was released), else the first
+    non-zero status (a signal's as a shell reports it, 128 + its number). A member that fails
+    ends the pod: the others are killed at once, so that the operator sees every member of the
+    pod lost together and recovers them in one reconfiguration."""
+    exits: queue.Queue[tuple[str, int]] = queue.Queue()
+    for member, child in zip(members, children, strict=True):
+        threading.Thread(
+            target=lambda m=member.name, c=child: exits.put((m, c.wait())), daemon=True
+        ).start()
+    status = 0
+    for _ in children:
+        name, code = exits.get()
+        code = code if code >= 0 else 128 - code
+        if code and not status:
+            logger.warning("member %s exited with status %s: the pod ends with it", name, code)
+            for child in children:
+                if child.poll() is None:
+                    child.kill()
+        elif not code:
+            logger.info("member %s exited", name)
+        status = status or code
+    return status

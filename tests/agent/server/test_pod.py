@@ -1,0 +1,247 @@
+"""A pod of several members behind one endpoint (`server.pod`), as real processes over real gRPC:
+`liveshard-agent` with LIVESHARD_POD_MEMBERS=2 on 127.0.0.1, a supervisor and its 2 member agents
+(3 processes per pod). Calls name their member with the `liveshard-member` metadata key; the
+pod's /metrics merges its members'. Bad member counts exit before any member starts."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+pytest.importorskip("torch", reason="the pod's members are agents, which need torch")
+
+from liveshard_operator import pki
+from prometheus_client.parser import text_string_to_metric_families
+
+from liveshard.v1 import agent_pb2 as pb
+from liveshard.v1 import agent_pb2_grpc as pb_grpc
+from liveshard_agent.server.config import TLS_VARIABLES, ConfigError, load
+from liveshard_agent.server.pod import PodMember, member_env
+from liveshard_core.job import MEMBER_KEY
+
+from .agents import AGENT, HOST, TOKEN, WAIT, Agent, agent_env
+
+Code = grpc.StatusCode
+POD = "pod"
+MEMBERS = [f"{POD}-0", f"{POD}-1"]
+NAME = pki.server_name("tiny", "ns")
+
+
+def metadata(member: str | None, token: str | None = TOKEN) -> tuple[tuple[str, str], ...]:
+    pairs = [] if token is None else [("authorization", f"Bearer {token}")]
+    return tuple(pairs + ([] if member is None else [(MEMBER_KEY, member)]))
+
+
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive free ports on HOST (the pod's metrics port and its
+    members')."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind((HOST, 0))
+            first = int(s.getsockname()[1])
+        try:
+            for port in range(first, first + count):
+                with socket.socket() as s:
+                    s.bind((HOST, port))
+            return first
+        except OSError:
+            continue
+    raise AssertionError(f"no {count} consecutive free ports")
+
+
+def start_pod(log_dir: Path, **env: object) -> Agent:
+    return Agent(POD, log_dir, LIVESHARD_POD_MEMBERS=2, **env)
+
+
+def route(pod: Agent, member: str) -> None:
+    """The pod's calls, `Agent`'s own waits included, go to `member` from now on."""
+    pod.metadata = metadata(member)  # type: ignore[assignment]  # an agent's carry 1 pair
+
+
+def wait_members_ready(pod: Agent) -> None:
+    """Both members ready, each reached through the pod's one port."""
+    for member in MEMBERS:
+        route(pod, member)
+        assert pod.wait_ready().member == member
+
+
+def member_pids(pod: Agent) -> dict[str, int]:
+    """The supervisor's live children by member, read from their command lines (a zombie's is
+    empty)."""
+    path = Path(f"/proc/{pod.proc.pid}/task/{pod.proc.pid}/children")
+    found = {}
+    for pid in path.read_text().split():
+        try:
+            words = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        except FileNotFoundError:
+            continue
+        if "--member" not in words:
+            continue
+        last = max(i for i, word in enumerate(words) if word == "--member")
+        found[words[last + 1]] = int(pid)
+    return found
+
+
+def close(pod: Agent) -> None:
+    for pid in member_pids(pod).values() if pod.proc.poll() is None else ():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    pod.close()
+
+
+@pytest.fixture(scope="module")
+def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent]:
+    """A plaintext pod of 2 members with metrics, shared by the module's tests; the last one
+    stops it."""
+    metrics_port = free_ports(3)
+    started = start_pod(tmp_path_factory.mktemp("pod"), LIVESHARD_METRICS_PORT=metrics_port)
+    try:
+        wait_members_ready(started)
+        yield started
+    finally:
+        close(started)
+
+
+def test_each_member_answers_through_the_pods_port(pod: Agent) -> None:
+    """The shared pod (1): its members' own statuses and streams; a call naming no member, an
+    unknown one, or carrying no token is refused."""
+    assert set(member_pids(pod)) == set(MEMBERS)
+    for member in MEMBERS:
+        status = pod.call("GetStatus", pb.GetStatusRequest(), metadata=metadata(member))
+        assert status.member == member and status.ready
+        stream = pod.call("WatchStatus", pb.WatchStatusRequest(), metadata=metadata(member))
+        assert next(stream).member == member
+        stream.cancel()
+    err = pod.refused("GetStatus", pb.GetStatusRequest(), metadata=metadata(None))
+    assert err.code() == Code.INVALID_ARGUMENT and MEMBER_KEY in (err.details() or ""), err
+    assert all(m in (err.details() or "") for m in MEMBERS), err
+    err = pod.refused("GetStatus", pb.GetStatusRequest(), metadata=metadata(f"{POD}-7"))
+    assert err.code() == Code.NOT_FOUND and f"{POD}-7" in (err.details() or ""), err
+    assert all(m in (err.details() or "") for m in MEMBERS), err
+    err = pod.refused("GetStatus", pb.GetStatusRequest(), metadata=metadata(MEMBERS[0], None))
+    assert err.code() == Code.UNAUTHENTICATED, err
+    err = pod.refused("GetStatus", pb.GetStatusRequest(), metadata=metadata(MEMBERS[0], "wrong"))
+    assert err.code() == Code.UNAUTHENTICATED, err
+    # A member's own refusal comes back as it gave it.
+    err = pod.refused("Release", pb.ReleaseRequest(saved=-1), metadata=metadata(MEMBERS[1]))
+    assert err.code() == Code.INVALID_ARGUMENT and "saved=-1" in (err.details() or ""), err
+
+
+def test_the_pods_metrics_merge_its_members(pod: Agent) -> None:
+    """The shared pod (2): /metrics on the pod's port carries both members' series, each
+    family once, and parses."""
+    url = f"http://{HOST}:{pod.env['LIVESHARD_METRICS_PORT']}/metrics"
+    deadline = time.monotonic() + WAIT
+    while True:
+        with urllib.request.urlopen(url, timeout=10) as answer:
+            text = answer.read().decode()
+        families = list(text_string_to_metric_families(text))
+        members = {s.labels.get("member") for f in families for s in f.samples}
+        if members >= set(MEMBERS) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert members == set(MEMBERS), text[:2000]
+    types = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")]
+    assert len(types) == len(set(types)), types
+    phase = next(f for f in families if f.name == "liveshard_member_phase")
+    standby = {s.labels["member"] for s in phase.samples if s.labels["phase"] == "standby"}
+    assert standby == set(MEMBERS)
+    assert all(s.value == 1 for s in phase.samples if s.labels["phase"] == "standby")
+
+
+def test_sigterm_reaches_every_member_and_a_member_that_dies_ends_the_pod(pod: Agent) -> None:
+    """The shared pod (3, last): SIGTERM marks both members terminating; a member killed ends
+    the pod: the other is killed with it, and the supervisor exits with the dead one's status."""
+    pod.signal(signal.SIGTERM)
+    for member in MEMBERS:
+        route(pod, member)
+        pod.wait_for("terminating", lambda s: s.terminating)
+    pids = member_pids(pod)
+    os.kill(pids[MEMBERS[1]], signal.SIGKILL)
+    assert pod.wait_exit() == 128 + signal.SIGKILL, pod.output()
+    assert not any(Path(f"/proc/{pid}").exists() for pid in pids.values())
+    assert f"member {MEMBERS[1]} exited with status 137: the pod ends with it" in pod.output()
+
+
+def test_a_tls_pod_takes_only_the_jobs_client_certificates(tmp_path: Path) -> None:
+    """3 processes: a pod serving mutual TLS at its port (its members in plaintext on their
+    sockets); both members released, it exits 0."""
+    ca = pki.new_authority()
+    serving = pki.serving_pair(ca, "tiny", "ns")
+    pod = start_pod(
+        tmp_path, LIVESHARD_METRICS_PORT=0, LIVESHARD_TLS_CERT=serving.cert.decode(),
+        LIVESHARD_TLS_KEY=serving.key.decode(), LIVESHARD_TLS_CA=ca.cert.decode(),
+    )  # fmt: skip
+    operator = pki.operator_pair(ca)
+    address = f"{HOST}:{pod.port}"
+    try:
+        credentials = grpc.ssl_channel_credentials(ca.cert, operator.key, operator.cert)
+        pod.channel = grpc.secure_channel(
+            address, credentials, [("grpc.ssl_target_name_override", NAME)]
+        )
+        pod.stub = pb_grpc.AgentStub(pod.channel)  # type: ignore[no-untyped-call]  # generated
+        wait_members_ready(pod)
+        with grpc.insecure_channel(address) as plaintext, pytest.raises(grpc.RpcError) as err:
+            pb_grpc.AgentStub(plaintext).GetStatus(  # type: ignore[no-untyped-call]
+                pb.GetStatusRequest(), timeout=5, metadata=metadata(MEMBERS[0])
+            )
+        assert err.value.code() == Code.UNAVAILABLE
+        for member in MEMBERS:
+            status = pod.call("GetStatus", pb.GetStatusRequest(), metadata=metadata(member))
+            assert status.member == member
+        for member in MEMBERS:
+            pod.call("Release", pb.ReleaseRequest(), metadata=metadata(member))
+        assert pod.wait_exit() == 0, pod.output()
+    finally:
+        close(pod)
+
+
+@pytest.mark.parametrize("count", ["0", "x", "-2"])
+def test_a_bad_member_count_exits_2_with_one_line(count: str) -> None:
+    """1 process, which exits before starting any member."""
+    env = agent_env(POD, 7070, LIVESHARD_POD_MEMBERS=count)
+    done = subprocess.run([AGENT], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"liveshard-agent: LIVESHARD_POD_MEMBERS: {count!r}"), done.stderr
+
+
+def test_the_members_configuration() -> None:
+    """No process: each member's environment, and the variables that configure it."""
+    environ = agent_env(POD, 7070, LIVESHARD_POD_MEMBERS=2, CUDA_VISIBLE_DEVICES="4,5",
+                        **dict.fromkeys(TLS_VARIABLES, "pem"))  # fmt: skip
+    member = PodMember(f"{POD}-1", "unix:/tmp/x/member-1.sock", 9402)
+    env = member_env(environ, member, 1, 2)
+    assert not set(TLS_VARIABLES) & set(env) and "LIVESHARD_POD_MEMBERS" not in env
+    assert (env["LIVESHARD_MEMBER"], env["LIVESHARD_LISTEN"]) == (member.name, member.address)
+    assert (env["LIVESHARD_METRICS_HOST"], env["LIVESHARD_METRICS_PORT"]) == ("127.0.0.1", "9402")
+    assert env["CUDA_VISIBLE_DEVICES"] == "5" and env["LIVESHARD_POD_IP"] == HOST
+    one_gpu = member_env({**environ, "CUDA_VISIBLE_DEVICES": "3"}, member, 1, 2)
+    assert one_gpu["CUDA_VISIBLE_DEVICES"] == "3"  # fewer GPUs than members: left as it is
+
+    config = load(member_env(agent_env(POD, 7070), member, 1, 2), [])
+    assert (config.address, config.metrics_host, config.pod_members) == (
+        member.address, "127.0.0.1", 1
+    )  # fmt: skip
+    assert load(agent_env(POD, 7070), []).metrics_host == HOST  # the pod IP unless set
+    for overrides, line in [
+        ({"LIVESHARD_LISTEN": "10.0.0.1:7070"}, "LIVESHARD_LISTEN: '10.0.0.1:7070' must be"),
+        ({"LIVESHARD_METRICS_HOST": "here"}, "LIVESHARD_METRICS_HOST: 'here' is not an IP"),
+        ({"LIVESHARD_POD_MEMBERS": "8", "LIVESHARD_METRICS_PORT": "7065"},
+         "LIVESHARD_METRICS_PORT: the pod's 8 members serve their metrics on ports 7066..7073"),
+        ({"LIVESHARD_POD_MEMBERS": "8", "LIVESHARD_METRICS_PORT": "65530"},
+         "LIVESHARD_METRICS_PORT: the pod's 8 members"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError, match=f"^{line}"):
+            load(agent_env(POD, 7070, **overrides), [])
