@@ -11,7 +11,9 @@ stores and process groups on the pod IP, as a pod's lone agent does. The supervi
   as an agent's (`certs`, `auth`), as a proxy: the metadata key `liveshard-member` names the
   member a call is for; the request's bytes, the caller's metadata and its remaining deadline go
   to that member's agent unparsed, and its answer or status comes back as it is (an UNAVAILABLE
-  with the member's name in front: it may be that the member does not answer);
+  with the member's name in front: it may be that the member does not answer); but the
+  certificate is the pod's: `RotateCertificate` is answered here, and the members' statuses
+  carry its fingerprint;
 - `/metrics` on the pod's metrics port: its members' expositions merged family by family.
 
 SIGTERM is passed on to every member (each reports `terminating` and serves until released). The
@@ -50,6 +52,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from liveshard.v1 import agent_pb2 as pb
+from liveshard_core.errors import InvalidInput
 from liveshard_core.job import MEMBER_KEY
 
 from ..engine.record import context_logger
@@ -61,6 +64,8 @@ log = logging.getLogger(__name__)
 
 MEMBERS_HOST = "127.0.0.1"  # where the members serve their metrics: inside the pod only
 _SERVICE = pb.DESCRIPTOR.services_by_name["Agent"]
+_GET_STATUS = f"/{_SERVICE.full_name}/GetStatus"
+_ROTATE = f"/{_SERVICE.full_name}/RotateCertificate"
 # An agent serves 16 watchers and 16 more calls at once; the proxy holds a thread for each call
 # it forwards.
 _CALLS_PER_MEMBER = 32
@@ -111,12 +116,15 @@ def member_env(environ: Mapping[str, str], member: PodMember, k: int, count: int
 
 
 class Proxy(grpc.GenericRpcHandler):
-    """The Agent service's methods, each forwarded to the member its call names."""
+    """The Agent service's methods, each forwarded to the member its call names; but the pod's
+    certificate is the pod's own: `RotateCertificate` is answered here, and the statuses the
+    members send carry its fingerprint (what the operator compares to renew it)."""
 
-    def __init__(self, members: list[PodMember]) -> None:
+    def __init__(self, members: list[PodMember], serving: ServingCertificate | None) -> None:
         self._channels = {
             m.name: grpc.insecure_channel(m.address, _CHANNEL_OPTIONS) for m in members
         }
+        self._serving = serving
         self._streaming = {
             f"/{_SERVICE.full_name}/{method.name}": method.server_streaming
             for method in _SERVICE.methods
@@ -126,6 +134,8 @@ class Proxy(grpc.GenericRpcHandler):
         streaming = self._streaming.get(details.method)
         if streaming is None:
             return None  # UNIMPLEMENTED
+        if details.method == _ROTATE:
+            return grpc.unary_unary_rpc_method_handler(self._rotate)
         if streaming:
             return grpc.unary_stream_rpc_method_handler(partial(self._stream, details.method))
         return grpc.unary_unary_rpc_method_handler(partial(self._unary, details.method))
@@ -134,9 +144,10 @@ class Proxy(grpc.GenericRpcHandler):
         member, channel = self._route(context)
         call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(method)
         try:
-            return bytes(call(raw, timeout=_remaining(context), metadata=_metadata(context)))
+            answer = bytes(call(raw, timeout=_remaining(context), metadata=_metadata(context)))
         except grpc.RpcError as err:
             _pass_on(err, member, context)
+        return self._stamped(answer) if method == _GET_STATUS else answer
 
     def _stream(self, method: str, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         member, channel = self._route(context)
@@ -148,10 +159,36 @@ class Proxy(grpc.GenericRpcHandler):
 
         context.add_callback(cancel)
         try:
-            yield from answers
+            yield from (self._stamped(answer) for answer in answers)
         except grpc.RpcError as err:
             if context.is_active():
                 _pass_on(err, member, context)
+
+    def _stamped(self, raw: bytes) -> bytes:
+        """A member's status with the pod's certificate in it (none in plaintext)."""
+        if self._serving is None:
+            return raw
+        status = pb.AgentStatus.FromString(raw)
+        status.serving_certificate = self._serving.fingerprint
+        return bytes(status.SerializeToString())
+
+    def _rotate(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        """Serve the pair `raw` names to new connections (the agent's `rotate_certificate`)."""
+        try:
+            request = pb.RotateCertificateRequest.FromString(raw)
+        except Exception as err:  # protobuf's DecodeError
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: {err}")
+        if self._serving is None:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this pod serves its API in plaintext: it has no certificate",
+            )
+        try:
+            served = self._serving.replace(request.cert, request.key, request.ca)
+        except InvalidInput as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        log.info("the pod's serving certificate rotated: new connections get %s", served[:16])
+        return bytes(pb.RotateCertificateResponse().SerializeToString())
 
     def _route(self, context: grpc.ServicerContext) -> tuple[str, grpc.Channel]:
         names = [str(v) for k, v in context.invocation_metadata() or () if k == MEMBER_KEY]
@@ -220,10 +257,9 @@ def _fetch(url: str) -> str:
         return ""
 
 
-def _serve_api(config: AgentConfig, proxy: Proxy) -> grpc.Server:
+def _serve_api(config: AgentConfig, proxy: Proxy, tls: ServingCertificate | None) -> grpc.Server:
     """The proxy on the pod's address, served as an agent's API is; RuntimeError if the address
     cannot be bound."""
-    tls = ServingCertificate(config.tls) if config.tls is not None else None
     threads = _CALLS_PER_MEMBER * config.pod_members
     return listen.serve(proxy, config.token, config.address, tls, threads, "pod-rpc")
 
@@ -271,11 +307,12 @@ def supervise(config: AgentConfig, environ: Mapping[str, str], argv: list[str]) 
     logger = context_logger(log, job=config.job, epoch=-1, member=config.member)
     folder = Path(tempfile.mkdtemp(prefix="liveshard-"))  # mode 0700: the members' sockets
     members = pod_members(config, folder)
-    proxy = Proxy(members)
+    tls = ServingCertificate(config.tls) if config.tls is not None else None
+    proxy = Proxy(members, tls)
     children: list[subprocess.Popen[bytes]] = []
     try:
         try:
-            server = _serve_api(config, proxy)
+            server = _serve_api(config, proxy, tls)
         except RuntimeError as err:  # grpc's: the address is not this host's, or the port taken
             logger.error("cannot serve on %s: %s", config.address, err)
             return 1

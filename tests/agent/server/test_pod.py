@@ -9,6 +9,7 @@ import contextlib
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import time
 import urllib.request
@@ -132,6 +133,10 @@ def test_each_member_answers_through_the_pods_port(pod: Agent) -> None:
     assert err.code() == Code.UNAUTHENTICATED, err
     err = pod.refused("GetStatus", pb.GetStatusRequest(), metadata=metadata(MEMBERS[0], "wrong"))
     assert err.code() == Code.UNAUTHENTICATED, err
+    # A plaintext pod has no certificate to rotate.
+    rotate = pb.RotateCertificateRequest(cert=b"x", key=b"y")
+    err = pod.refused("RotateCertificate", rotate, metadata=metadata(MEMBERS[0]))
+    assert err.code() == Code.FAILED_PRECONDITION and "plaintext" in (err.details() or ""), err
     # A member's own refusal comes back as it gave it.
     err = pod.refused("Release", pb.ReleaseRequest(saved=-1), metadata=metadata(MEMBERS[1]))
     assert err.code() == Code.INVALID_ARGUMENT and "saved=-1" in (err.details() or ""), err
@@ -199,6 +204,27 @@ def test_a_tls_pod_takes_only_the_jobs_client_certificates(tmp_path: Path) -> No
         for member in MEMBERS:
             status = pod.call("GetStatus", pb.GetStatusRequest(), metadata=metadata(member))
             assert status.member == member
+            assert status.serving_certificate == pki.fingerprint(serving.cert)  # the pod's
+        # The pod's certificate is rotated by the pod: statuses and new connections show it.
+        renewed = pki.serving_pair(ca, "tiny", "ns")
+        rotate = pb.RotateCertificateRequest(cert=renewed.cert, key=renewed.key)
+        pod.call("RotateCertificate", rotate, metadata=metadata(MEMBERS[0]))
+        bad = pb.RotateCertificateRequest(cert=renewed.cert, key=serving.key)
+        err = pod.refused("RotateCertificate", bad, metadata=metadata(MEMBERS[1]))
+        assert err.code() == Code.INVALID_ARGUMENT, err
+        for member in MEMBERS:
+            status = pod.call("GetStatus", pb.GetStatusRequest(), metadata=metadata(member))
+            assert status.serving_certificate == pki.fingerprint(renewed.cert)
+        # A new connection's handshake gets the renewed certificate.
+        with socket.create_connection((HOST, pod.port), timeout=10) as raw:
+            context = ssl.create_default_context(cadata=ca.cert.decode())
+            context.check_hostname = False
+            (tmp_path / "op.crt").write_bytes(operator.cert)
+            (tmp_path / "op.key").write_bytes(operator.key)
+            context.load_cert_chain(tmp_path / "op.crt", tmp_path / "op.key")
+            with context.wrap_socket(raw) as tls:
+                served = tls.getpeercert(binary_form=True)
+        assert served == ssl.PEM_cert_to_DER_cert(renewed.cert.decode())
         for member in MEMBERS:
             pod.call("Release", pb.ReleaseRequest(), metadata=metadata(member))
         assert pod.wait_exit() == 0, pod.output()
