@@ -425,7 +425,32 @@ def test_pods_of_two_members_keep_tp_inside_scale_and_drain_whole(operator: Kube
         kube.run("kubectl", "uncordon", node, check=False)
     back = steps.wait(running(3, drained["epoch"] + 1), "back to 3 pods", STARTUP)
     assert tp_inside_pods(back)
-    steps.wait(lambda s: s.get("step", 0) > back["step"], "training on")
+
+    # One member's process dies: its pod ends with it, and both are recovered in memory at once.
+    pod = members(kube)[pods_of(back)[0]]
+    supervisor = int(
+        pod["status"]["containerStatuses"][0]["containerID"].removeprefix("process://")
+    )
+    os.kill(member_pid(supervisor, f"{pod['metadata']['name']}-1"), signal.SIGKILL)
+    lost = {f"{pod['metadata']['name']}-{k}" for k in range(2)}
+    recovered = steps.wait(
+        lambda s: not lost & set(s.get("members", lost)) and s.get("phase") == "Running",
+        "a recovery without the pod",
+    )
+    last = recovered["lastReconfiguration"]
+    assert last["result"] == "committed" and last["reason"].startswith("lost "), last
+    assert all(m in last["reason"] for m in lost) and "restore" not in last["reason"], last
+    assert recovered["step"] >= back["step"]  # from memory: no step went back
+    steps.wait(lambda s: s.get("step", 0) > recovered["step"], "training on")
+
+
+def member_pid(supervisor: int, member: str) -> int:
+    """The process of `member`, a child of its pod's supervisor."""
+    for child in Path(f"/proc/{supervisor}/task/{supervisor}/children").read_text().split():
+        words = Path(f"/proc/{child}/cmdline").read_bytes().decode().split("\0")
+        if member in words:
+            return int(child)
+    raise AssertionError(f"no process of {member} under {supervisor}")
 
 
 def test_a_suspended_job_resumes_in_another_layout_at_the_same_step(
