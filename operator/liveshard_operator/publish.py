@@ -21,7 +21,7 @@ from liveshard.v1 import agent_pb2 as pb
 from liveshard_core.assign.nodes import mirror_pairs, pairs_on_one_node
 from liveshard_core.job import Result
 
-from . import checkpoints, render
+from . import checkpoints, policy, render
 from .conditions import Conditions, stamp
 from .observation import Job, Observation, trains_in
 from .world import InFlight, Record, World
@@ -97,6 +97,24 @@ def _state_bytes(agents: list[pb.AgentStatus | None]) -> dict[str, int] | None:
         return None
     return {"perMember": max(int(a.state_bytes) for a in held),
             "mirroredPerMember": max(int(a.mirrored_bytes) for a in held)}  # fmt: skip
+
+
+def _exposed(
+    world: World | None, placement: dict[str, int] | None, seen: Observation
+) -> str | None:
+    """Why a node's loss would take both copies of a shard, when mirror pairs share a node and
+    no exchange of members parts any (the pods are on too few nodes); else None (an exchange
+    that helps is made live: `decide`)."""
+    if world is None or not placement or not placement["mirrorPairsOnOneNode"]:
+        return None
+    if policy.respread(world.degrees, world.members, seen.nodes()) is not None:
+        return None
+    return (
+        f"{placement['mirrorPairsOnOneNode']} of {placement['mirrorPairs']} mirror pairs share a "
+        f"node, on {placement['nodes']} node(s), and no exchange of members parts them: such a "
+        "node's loss takes both copies of a shard, which only a checkpoint restores; spread the "
+        "workers over more nodes"
+    )
 
 
 def _placement(job: Job, world: World, seen: Observation) -> dict[str, int]:
@@ -183,6 +201,8 @@ def status(
         conds.set("Degraded", True, "CheckpointFailed", failed.describe())
     elif report.spares:
         conds.set("Degraded", True, "HotSpares", message)
+    elif (exposed := _exposed(world, out["placement"], seen)) is not None:
+        conds.set("Degraded", True, "MirrorPairsOnOneNode", exposed)
     else:
         conds.set("Degraded", False, "AsPlanned", message)
     out.update(phase=phase, conditions=conds.items, reconfiguration=record.to_dict())

@@ -800,7 +800,14 @@ def test_survivors_whose_mirror_pairs_came_to_share_a_node_are_exchanged_live() 
     settled = seen(*(replace(p, agent=training(2)) for p in pods.pods.values()))
     assert asked(decide(settled, Record(world=after), mirrored, NOW)) is None
     crowded = seen(*(replace(p, node="a") for p in pods.pods.values()))
-    assert asked(decide(crowded, Record(world=old), mirrored, NOW)) is None
+    stuck = decide(crowded, Record(world=old), mirrored, NOW)
+    assert asked(stuck) is None
+    # Which the status says: a node's loss would take both copies of a shard.
+    degraded = condition(stuck.status, "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "MirrorPairsOnOneNode")
+    assert degraded["message"].startswith("4 of 4 mirror pairs share a node, on 1 node(s)")
+    for parted in (decision, decide(settled, Record(world=after), mirrored, NOW)):
+        assert condition(parted.status, "Degraded")["status"] == "False"
 
 
 def test_an_abort_degrades_the_job_and_says_why() -> None:
