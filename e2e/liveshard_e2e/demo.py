@@ -3,7 +3,8 @@
 It brings up the local cluster, installs the chart with helm (the operator), applies the example
 `tiny` job (the built-in Qwen3-format model `qwen3-tiny` on BPE tokens), scales it 4 -> 2 -> 3
 with `kubectl scale`, drains the node of one worker, kills a worker without notice, suspends it
-and resumes it on 2 workers in another layout, and prints
+and resumes it on 2 workers in another layout, then runs the same model in pods of 2 members
+each (tp inside pods) and scales them 2 -> 3 pods, and prints
 as it goes each reconfiguration's reason, layouts, pause and bytes, and the loss going on. At the
 end it draws the job's story from its status with `liveshard timeline --job` (through kubectl,
 as a user would) and prints where the picture is.
@@ -64,7 +65,7 @@ class Narrator:
             if s.get("step", -1) >= last_step + 10:
                 last_step = s["step"]
                 self.say(f"step {s['step']:>5}  loss {s.get('loss', 0):.4f}  {s.get('phase')}  "
-                         f"{s.get('replicas')} members: {s.get('layout')}")  # fmt: skip
+                         f"{len(s.get('members', []))} members: {s.get('layout')}")  # fmt: skip
 
     def _events(self) -> None:
         selector = f"involvedObject.name={JOB}"
@@ -173,14 +174,40 @@ def run(keep: bool, timeline: Path | None = None) -> None:
         narrator.wait(_running(2, epoch), "the job resumed on 2 members", STARTUP)
         time.sleep(10)
         final = narrator.status()
-        narrator.stop.set()
         narrator.say(f"done: step {final['step']}, loss {final['loss']:.4f}, epoch "
                      f"{final['epoch']}, {final['layout']}")  # fmt: skip
         print(kube.kubectl("get", "etj").stdout, flush=True)
         draw_timeline(kube, timeline or cluster.run_dir("demo") / "timeline.png")
+        _pods_of_two(kube, narrator)
+        narrator.stop.set()
     finally:
         if not keep:
             cluster.down("demo")
+
+
+def _pods_of_two(kube: Kube, narrator: Narrator) -> None:
+    """The same model as a job of pods of 2 members each (as pods of 2 GPUs would be), tp=2
+    inside each pod: 2 pods, then `kubectl scale` to 3."""
+    narrator.say(
+        f"kubectl delete etj/{JOB}; the same model in pods of 2 members each "
+        "(membersPerPod: 2, one agent endpoint a pod), tp=2 inside each pod"
+    )
+    kube.kubectl("delete", "etj", JOB, "--wait=true", timeout=180)
+    wait_until(lambda: not kube.pods(f"liveshard.io/job={JOB}") or None, 180, "the pods gone")
+    body = yaml.safe_load((ROOT / "examples" / "tiny-job.yaml").read_text())
+    body["spec"].update(replicas=2, membersPerPod=2, parallelism={"tp": 2, "zero": 1})
+    kube.apply(body)
+    narrator.wait(_running(2), "the job training in 2 pods", STARTUP)
+    epoch = narrator.status()["epoch"]
+    time.sleep(10)
+    narrator.say(f"kubectl scale etj/{JOB} --replicas=3  (pods: 4 -> 6 members)")
+    kube.kubectl("scale", f"etj/{JOB}", "--replicas=3")
+    narrator.wait(_running(3, epoch), "the job in 3 pods", STARTUP)
+    time.sleep(10)
+    final = narrator.status()
+    narrator.say(f"done: step {final['step']}, {final['layout']}, members in rank order "
+                 f"{', '.join(final['members'])}")  # fmt: skip
+    print(kube.kubectl("get", "etj").stdout, flush=True)
 
 
 def main() -> None:
