@@ -39,9 +39,9 @@ class Choice:
 def constraints(job: JobSpec) -> Constraints:
     p, t = job.parallelism, job.training
     # A pod of several members keeps a tensor-parallel group inside it (its devices' links).
-    tp_max = job.members_per_pod if job.members_per_pod > 1 else Constraints.tp_max
+    tp_divides = job.members_per_pod if job.members_per_pod > 1 else 0
     return Constraints(
-        tp=p.tp, tp_max=tp_max, pp=p.pp, pp_max=p.pp_max, ep=p.ep, zero=p.zero,
+        tp=p.tp, tp_divides=tp_divides, pp=p.pp, pp_max=p.pp_max, ep=p.ep, zero=p.zero,
         mirror=job.snapshots,
         global_batch=t.global_batch, micro_batch=t.micro_batch, seq_len=t.seq_len,
     )  # fmt: skip

@@ -2,10 +2,11 @@
 
 `choose_layout` is a pure function (the operator calls it too):
 1. Candidates: every tp (the fixed one, or each divisor of heads, KV heads, vocab and FFN up to
-   `tp_max`), every pp up to `pp_max` and the layer count (balanced, uneven when pp does not divide
-   the layers), every ep (the fixed one, or 1 for dense models and each divisor of the experts
-   for MoE), every ZeRO stage asked for, and the dp values that fit the members: the largest one,
-   and with a global batch every dp that divides it into dp x micro-batches.
+   `tp_max`, and of a pod's members when members come in pods: `tp_divides`), every pp up to
+   `pp_max` and the layer count (balanced, uneven when pp does not divide the layers), every ep
+   (the fixed one, or 1 for dense models and each divisor of the experts for MoE), every ZeRO
+   stage asked for, and the dp values that fit the members: the largest one, and with a global
+   batch every dp that divides it into dp x micro-batches.
 2. Feasible: the spec's divisibility (`Layout.check`), ep dividing dp, the global batch, and the
    memory per device (`model.estimate`) within the device memory.
 3. Best: among the feasible layouts that use the most members (a job is given members to use
@@ -38,6 +39,7 @@ class Constraints:
 
     tp: int | None = None
     tp_max: int = 8  # a node's devices: tp stays inside one
+    tp_divides: int = 0  # the members of a pod (0: no pods): a free tp divides it, staying inside
     pp: int | None = None
     pp_max: int | None = None
     ep: int | None = None
@@ -188,6 +190,7 @@ def _candidates(spec: ModelSpec, members: int, c: Constraints) -> list[Degrees]:
     cfg = spec.config
     layers = cfg.layers
     tps = [c.tp] if c.tp is not None else _divisors(cfg.heads, c.tp_max)
+    tps = [tp for tp in tps if not c.tp_divides or c.tp_divides % tp == 0]
     pp_max = min(c.pp_max or layers, layers)
     free_eps = _divisors(cfg.experts, members) if cfg.experts else [1]
     eps = [c.ep] if c.ep is not None else free_eps

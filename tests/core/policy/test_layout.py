@@ -111,3 +111,12 @@ def test_the_state_per_layer_counts_a_mirrored_shard_twice(degrees: str) -> None
     grown = estimated(mirrored) - estimated(plain)
     assert grown > 0
     assert grown == pytest.approx(exact(mirrored) - exact(plain), abs=spec.config.layers)
+
+
+@pytest.mark.parametrize("per_pod", [2, 4])
+def test_members_in_pods_keep_a_free_tp_inside_one(per_pod: int) -> None:
+    # Left free, tp is 8 on these nodes; in pods of `per_pod` members it divides the pod.
+    assert choose_layout(LLAMA, 512, Constraints(global_batch=512)).degrees.tp == 8
+    for members in (64, 128, 512):
+        choice = choose_layout(LLAMA, members, Constraints(global_batch=512, tp_divides=per_pod))
+        assert per_pod % choice.degrees.tp == 0, (members, choice.degrees)
