@@ -114,7 +114,7 @@ def _start(draft: Draft) -> None:
         draft.message = str(err)
         return
     members = policy.pick(choice.degrees, [p.name for p in ready], choice.used,
-                          draft.seen.nodes())  # fmt: skip
+                          draft.seen.nodes(), draft.seen.pod_of())  # fmt: skip
     layout = choice.degrees.layout(draft.job.model, members)
     short = f"{len(ready)} of {wanted} pods: " if len(ready) < wanted else ""
     reason = f"start with {short}{choice.why}"
@@ -178,7 +178,8 @@ def _steady(draft: Draft, world: World) -> None:
     joiners = [p.name for p in standby]
     # Survivors are placed on what the plan reads from them (`source_layout`).
     source = source_layout(old, frozenset(lost))
-    new_members = policy.assign(model, source, choice.degrees, stayers, joiners, draft.seen.nodes())
+    new_members = policy.assign(model, source, choice.degrees, stayers, joiners,
+                                draft.seen.nodes(), draft.seen.pod_of())  # fmt: skip
     draft.spares = [p.name for p in standby if p.name not in new_members]
     if rebuild:
         _begin(draft, InFlight(
@@ -471,8 +472,9 @@ def _restore(draft: Draft, why: str) -> None:
     except InvalidInput as err:
         draft.message = f"restoring {last.path}: {err}"
         return
-    layout = choice.degrees.layout(model, policy.pick(choice.degrees, ready, choice.used,
-                                                       draft.seen.nodes()))  # fmt: skip
+    picked = policy.pick(choice.degrees, ready, choice.used, draft.seen.nodes(),
+                         draft.seen.pod_of())  # fmt: skip
+    layout = choice.degrees.layout(model, picked)
     _begin(draft, InFlight(
         epoch=_next_epoch(draft), new=World.of(0, layout), store=_NO_STORE, started=draft.now,
         reason=f"restore from {last.path} (step {last.step}): {why}", restore=last.path,

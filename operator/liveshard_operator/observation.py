@@ -96,6 +96,10 @@ class Observation:
         pod = self.pods.get(member)
         return member if pod is None else pod.pod_name
 
+    def pod_of(self) -> dict[str, str]:
+        """Each member's pod, for the members of pods of several (empty when each pod is one)."""
+        return {name: pod.pod for name, pod in self.pods.items() if pod.pod}
+
     def nodes(self) -> dict[str, str]:
         """Each scheduled pod's node."""
         return {name: pod.node for name, pod in self.pods.items() if pod.node}

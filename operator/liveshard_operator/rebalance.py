@@ -171,9 +171,8 @@ def _layout(draft: Draft, old: Layout, pp_layers: tuple[int, ...], joiners: list
     """The layout of `old`'s degrees on `pp_layers`: its members placed to move the fewest bytes,
     `joiners` on the ranks a grow adds."""
     degrees = old.degrees.repartitioned(pp_layers)
-    members = policy.assign(
-        draft.job.model, old, degrees, list(old.members), joiners, draft.seen.nodes()
-    )
+    members = policy.assign(draft.job.model, old, degrees, list(old.members), joiners,
+                            draft.seen.nodes(), draft.seen.pod_of())  # fmt: skip
     return degrees.layout(draft.job.model, members)
 
 

@@ -19,7 +19,7 @@ from liveshard_operator.world import Record, World
 from liveshard.v1 import agent_pb2 as pb
 from liveshard_core.assign.nodes import pairs_on_one_node
 from liveshard_core.errors import InvalidInput
-from liveshard_core.layout.layout import Layout
+from liveshard_core.layout.layout import Layout, parse_degrees
 from tests.operator.values import NOW, job, pod, seen, standby, training
 
 TP2 = {"parallelism": {"tp": 2, "zero": 1}}
@@ -216,3 +216,19 @@ def test_mirrored_pods_hold_whole_tp_groups_and_no_mirror_pair_shares_a_node() -
     assert len(new.members) == 16 and inside_pods(new.members)
     layout = new.layout(grown.model)
     assert pairs_on_one_node(layout, layout.members, seen_now.nodes()) == 0
+
+
+def test_a_change_of_layout_fills_each_tensor_parallel_group_from_one_pod() -> None:
+    # dp=4 over members listed across pods, switched to tp=2: each tp group is one pod's pair,
+    # also when a pod joins (its members on the ranks left) and when rebalancing predicts it.
+    the_job = two_per_pod(3)
+    model = the_job.model
+    old = parse_degrees("dp=4,zero=1").layout(model, ["p0-0", "p1-0", "p0-1", "p1-1"])
+    pod_of = {f"p{p}-{k}": f"p{p}" for p in range(3) for k in range(2)}
+    for new, joiners in (("dp=2,tp=2,zero=1", []), ("dp=3,tp=2,zero=1", ["p2-0", "p2-1"])):
+        members = policy.assign(model, old, parse_degrees(new), list(old.members), joiners, {},
+                                pod_of)  # fmt: skip
+        assert inside_pods(tuple(members)) and len(members) == parse_degrees(new).world_size
+    # Without pods, members are placed by bytes alone.
+    plain = policy.assign(model, old, parse_degrees("dp=2,tp=2,zero=1"), list(old.members), [], {})
+    assert sorted(plain) == sorted(old.members)

@@ -150,6 +150,38 @@ def placed_members(
     return [old.members[m] if m is not None else fresh() for m in best.members_to]
 
 
+def grouped_members(
+    spec: ModelSpec, old: Layout, degrees: Degrees, slots: Sequence[Sequence[str]]
+) -> list[str]:
+    """The members of `degrees`' layout in rank order when each tensor-parallel group must be
+    one of `slots` (tp members of one pod each, in tp order; a member of `old` is a survivor,
+    any other a joiner): the groups that keep the most bytes, survivors before joiners (slots
+    with more survivors take ranks first, as `placed_members` places every survivor it can).
+    An exact assignment of slots to groups (`solver`), each slot's members in the given order;
+    InvalidInput when there are fewer slots than groups, or a slot is not tp members."""
+    tp, groups = degrees.tp, degrees.world_size // degrees.tp
+    if any(len(slot) != tp for slot in slots) or len(slots) < groups:
+        raise InvalidInput(
+            f"{len(slots)} slots of tp={tp} members cannot fill the {groups} tensor-parallel "
+            "groups of the new layout"
+        )
+    ranks = {m: r for r, m in enumerate(old.members)}
+    survivors = np.array(sorted({ranks[m] for slot in slots for m in slot if m in ranks}),
+                         dtype=np.int64)  # fmt: skip
+    over = Problem(spec, old, degrees).over
+    kept = over.matrix(survivors, np.arange(degrees.world_size, dtype=np.int64))
+    column = {int(o): i for i, o in enumerate(survivors)}
+    bonus = int(over.needed.sum()) + 1  # a survivor placed outweighs any bytes kept
+    cost = np.zeros((groups, len(slots)), dtype=np.int64)
+    for s, slot in enumerate(slots):
+        for i, member in enumerate(slot):
+            if member in ranks:
+                rows = np.arange(groups) * tp + i
+                cost[:, s] -= kept[rows, column[ranks[member]]] + bonus
+    chosen = min_cost_assignment(groups, len(slots), lambda g: cost[g])
+    return [member for g in range(groups) for member in slots[int(chosen[g])]]
+
+
 def ordered_assignment(
     spec: ModelSpec, old: Layout, new: Layout, survivors: Sequence[int], joiners: int
 ) -> Assignment:

@@ -8,7 +8,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from liveshard_core.assign.assign import Problem, best_assignment, ordered_assignment
+from liveshard_core.assign.assign import (
+    Problem,
+    best_assignment,
+    grouped_members,
+    ordered_assignment,
+)
 from liveshard_core.errors import InvalidInput
 from liveshard_core.layout.layout import Degrees, Layout, parse_degrees
 from liveshard_core.plan.bounds import lower_bound_bytes
@@ -108,3 +113,39 @@ def test_too_few_survivors_is_an_error() -> None:
         best_assignment(TINY, old, old, [0], 0)
     with pytest.raises(InvalidInput, match="survivors \\[5\\]"):
         best_assignment(TINY, old, old, [5], 1)
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [("dp=4,zero=1", "dp=2,tp=2,zero=1"), ("dp=2,tp=2,zero=1", "dp=3,tp=2,zero=1"),
+     ("pp=2,dp=2,zero=0", "tp=2,dp=3,zero=1"), ("dp=4,zero=0", "tp=2,pp=2,zero=0")],
+)  # fmt: skip
+def test_grouped_members_keep_the_most_bytes_a_pod_aligned_choice_can(
+    before: str, after: str
+) -> None:
+    # Members in pods of 2 (p0: a b, p1: c d, p2: e f joining); each tp group must be one pod's
+    # slot. The choice keeps as many bytes as the best of every slot order, and places every
+    # survivor it can before a joiner.
+    old = parse_degrees(before).layout(TINY, ["a", "c", "b", "d"])
+    new = parse_degrees(after)
+    slots = [["a", "b"], ["c", "d"], ["e", "f"]]
+    members = grouped_members(TINY, old, new, slots)
+    groups = [members[i : i + 2] for i in range(0, len(members), 2)]
+    assert all(g in slots for g in groups) and len(groups) == new.world_size // 2
+    survivors = [old.rank_of(m) for m in old.members]
+    problem = Problem(TINY, old, new)
+
+    def network(order: list[list[str]]) -> int:
+        flat = [m for slot in order for m in slot]
+        to = [old.rank_of(m) if m in old.members else None for m in flat]
+        return problem.given(to, survivors).network_bytes
+
+    placed = sum(m in old.members for m in members)
+    best = min(
+        network(list(order))
+        for order in itertools.permutations(slots, len(groups))
+        if sum(m in old.members for slot in order for m in slot) == placed
+    )
+    assert placed == min(len(old.members), new.world_size) and network(groups) == best
+    with pytest.raises(InvalidInput, match="slots of tp=2"):
+        grouped_members(TINY, old, new, [["a", "b"]])
