@@ -247,7 +247,8 @@ def _respread(draft: Draft, world: World) -> rebalance.Move | None:
     """A mirrored world some of whose mirror pairs share a node (its survivors kept their ranks
     while their partners were replaced there) where exchanging members would part some: the
     same layout with those members exchanged, so that a node's loss costs fewer bytes."""
-    found = policy.respread(world.degrees, world.members, draft.seen.nodes())
+    seen = draft.seen
+    found = policy.respread(world.degrees, world.members, seen.nodes(), bool(seen.pod_of()))
     if found is None:
         return None
     members, shared, after = found

@@ -102,13 +102,16 @@ def _slots(
 
 
 def respread(
-    degrees: Degrees, members: Sequence[str], node_of: Mapping[str, str]
+    degrees: Degrees, members: Sequence[str], node_of: Mapping[str, str], in_pods: bool = False
 ) -> tuple[list[str], int, int] | None:
     """A world's members in rank order with members exchanged so that fewer mirror pairs share
     a node (`assign.nodes.respread`), with the pairs on one node before and after; None when no
-    exchange parts any. Remembered per world and nodes: a pass finds it again at once (the search
-    takes up to half a second at 1024 members, and a world whose pairs no exchange parts is seen
-    by every pass)."""
+    exchange parts any, or when tensor-parallel groups are pods' (`in_pods`: an exchange of two
+    members would split them). Remembered per world and nodes: a pass finds it again at once
+    (the search takes up to half a second at 1024 members, and a world whose pairs no exchange
+    parts is seen by every pass)."""
+    if in_pods and degrees.tp > 1:
+        return None
     found = _respread(degrees, tuple(members), tuple(node_of.get(m, "") for m in members))
     return None if found is None else (list(found[0]), found[1], found[2])
 

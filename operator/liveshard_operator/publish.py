@@ -107,7 +107,7 @@ def _exposed(
     that helps is made live: `decide`)."""
     if world is None or not placement or not placement["mirrorPairsOnOneNode"]:
         return None
-    if policy.respread(world.degrees, world.members, seen.nodes()) is not None:
+    if policy.respread(world.degrees, world.members, seen.nodes(), bool(seen.pod_of())):
         return None
     return (
         f"{placement['mirrorPairsOnOneNode']} of {placement['mirrorPairs']} mirror pairs share a "

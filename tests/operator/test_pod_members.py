@@ -232,3 +232,21 @@ def test_a_change_of_layout_fills_each_tensor_parallel_group_from_one_pod() -> N
     # Without pods, members are placed by bytes alone.
     plain = policy.assign(model, old, parse_degrees("dp=2,tp=2,zero=1"), list(old.members), [], {})
     assert sorted(plain) == sorted(old.members)
+
+
+def test_pods_whose_mirror_pairs_share_a_node_are_not_split_but_reported() -> None:
+    # Four pods of 2 (tp=2, dp=4, mirrored) on two nodes, neighbours on the ring sharing one:
+    # exchanging two members would split tp groups across pods, so none is made, and the job
+    # says a node's loss would take both copies of some shards.
+    mirrored = job(4, membersPerPod=2, parallelism={"tp": 2, "zero": 1},
+                   faultTolerance={"snapshots": True})  # fmt: skip
+    names = ("p0", "p1", "p2", "p3")
+    on = {"p0": "a", "p1": "a", "p2": "b", "p3": "b"}
+    seen_now = pods(*(members(n, training(1), role=render.MEMBER, node=on[n]) for n in names))
+    choice = policy.choose(mirrored.model, mirrored.spec, 8)
+    old = World.of(1, choice.degrees.layout(mirrored.model, [f"{n}-{k}" for n in names
+                                                            for k in range(2)]))  # fmt: skip
+    decision = decide(seen_now, Record(world=old), mirrored, NOW)
+    assert decision.ask is None
+    degraded = next(c for c in decision.status["conditions"] if c["type"] == "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "MirrorPairsOnOneNode")
