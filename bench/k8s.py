@@ -26,7 +26,10 @@ in one run:
   lost, scale 2 -> 3, 40 s of training before each and after the last), live and then by
   checkpoint and restart at each change: the share of the wall time the job trained (`goodput`).
 
-    python bench/k8s.py [--out bench/results/k8s.json] [--only goodput]
+- pods of 2 members each (`membersPerPod: 2`, tp=2 inside pods): 2 -> 3 pods live, then a
+  member's process killed (its pod ends with it, both members recovered in memory at once).
+
+    python bench/k8s.py [--out bench/results/k8s.json] [--only goodput|pods]
 """
 
 from __future__ import annotations
@@ -74,11 +77,17 @@ def _token(kube: Kube) -> str:
     return _secret(kube, f"{JOB}-token")["token"].decode()
 
 
+def _pod(kube: Kube, member: str) -> dict[str, Any]:
+    """The pod of `member` (the member's own, or `<pod>` of a member `<pod>-<k>`)."""
+    pod = kube.pod(member) or kube.pod(member.rsplit("-", 1)[0])
+    assert pod is not None, member
+    return pod
+
+
 def _agent(kube: Kube, member: str) -> AgentClient:
     """One member's agent, called directly as the operator calls it: over mutual TLS with the
     operator's client certificate, and with the token."""
-    pod = kube.pod(member)
-    assert pod is not None
+    pod = _pod(kube, member)
     operator = _secret(kube, f"{JOB}-operator-tls")
     tls = ClientTls(ca=operator["ca.crt"], cert=operator["tls.crt"], key=operator["tls.key"],
                     server_name=pki.server_name(JOB, NAMESPACE))  # fmt: skip
@@ -239,6 +248,43 @@ def landing(kube: Kube, nodes: list[str]) -> dict[str, Any]:
     }
 
 
+def pods(kube: Kube) -> dict[str, Any]:
+    """A job in pods of 2 members each (`membersPerPod: 2`, tp=2 inside each pod, no ZeRO): 2
+    pods scaled to 3, then one member's process killed, which ends its pod: the time from each
+    to a member that stays training in the new epoch, and its pause."""
+    kube.kubectl("delete", "etj", JOB, "--wait=true", "--ignore-not-found", timeout=180)
+    body = _job(2)
+    body["spec"].update(membersPerPod=2, parallelism={"tp": 2, "zero": 0})
+    kube.apply(body)
+    first = _training(kube, 2)
+    time.sleep(5)
+    grown = live(kube, 3)
+    before = _training(kube, 3)
+    victim = before["members"][-1]
+    survivor = _agent(kube, before["members"][0])
+    supervisor = _pod(kube, victim)["status"]["containerStatuses"][0]["containerID"]
+    children = Path(f"/proc/{supervisor.removeprefix('process://')}/task")
+    pids = [c for task in children.iterdir() for c in (task / "children").read_text().split()]
+    (pid,) = [p for p in pids if victim in Path(f"/proc/{p}/cmdline").read_text().split("\0")]
+    start = time.perf_counter()
+    os.kill(int(pid), 9)
+    new_epoch = _new_epoch(survivor, before["epoch"])
+    seconds = time.perf_counter() - start
+    last = wait_until(
+        lambda: (r := _status(kube).get("lastReconfiguration") or {}).get("epoch") == new_epoch
+        and r, STARTUP, "the recovery recorded",
+    )  # fmt: skip
+    assert last["result"] == "committed" and last["reason"].startswith("lost "), last
+    return {
+        "first": first["layout"], "members": len(first["members"]), "grow": grown,
+        "lost": {
+            "lost": last["reason"], "from": last["from"], "to": last["to"],
+            "kill_to_first_step_seconds": round(seconds, 3),
+            "pause_seconds": last["pauseSeconds"], "bytes_moved": last["bytesMoved"],
+        },
+    }  # fmt: skip
+
+
 SPAN = 40.0  # seconds of training before each capacity change, and after the last
 
 
@@ -307,7 +353,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="also write the results to this JSON file")
     parser.add_argument("--keep", action="store_true", help="leave the cluster running")
-    parser.add_argument("--only", choices=["goodput"], help="run this scenario alone")
+    parser.add_argument("--only", choices=["goodput", "pods"], help="run this scenario alone")
     args = parser.parse_args()
     info = cluster.up(cluster.ClusterOptions(name="bench", nodes=3))
     admin = Kube(info)
@@ -323,9 +369,10 @@ def main() -> None:
         kube.run("helm", "upgrade", "--install", "liveshard", str(ROOT / "charts" / "liveshard"),
                  "-n", NAMESPACE, "--set", f"watchNamespaces={{{NAMESPACE}}}", "--wait",
                  "--timeout=180s", timeout=240)  # fmt: skip
-        if args.only == "goodput":
+        if args.only is not None:
+            scenario = goodput(kube, scratch) if args.only == "goodput" else pods(kube)
             result = {"machine": machine("local cluster (process kubelet), gloo on CPU"),
-                      "goodput": goodput(kube, scratch)}  # fmt: skip
+                      args.only: scenario}  # fmt: skip
             print(json.dumps(result, indent=1), flush=True)
             write_json(args.out, result)
             return
@@ -337,6 +384,7 @@ def main() -> None:
         restarts = [restart(kube, 2, scratch, 1), restart(kube, 3, scratch, 2)]
         arrival = landing(kube, list(info.nodes))
         volatile = goodput(kube, scratch)
+        in_pods = pods(kube)
         # Today a lost worker means restarting the survivors from the last checkpoint.
         recovery["checkpoint_restart_seconds"] = restarts[0]["delete_recreate_resume_seconds"]
         recovery["speedup_end_to_end"] = round(
@@ -353,7 +401,7 @@ def main() -> None:
         result = {
             "machine": machine("local cluster (process kubelet), gloo on CPU"),
             "live": resizes, "lost": recovery, "checkpoint_restart": restarts,
-            "landing": arrival, "goodput": volatile,
+            "landing": arrival, "goodput": volatile, "pods": in_pods,
         }  # fmt: skip
         print(json.dumps(result, indent=1), flush=True)
         write_json(args.out, result)
