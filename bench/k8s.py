@@ -125,7 +125,7 @@ def _new_epoch(stayer: AgentClient, epoch: int) -> int:
 
 
 def live(kube: Kube, replicas: int) -> dict[str, Any]:
-    before = _training(kube, len(_status(kube)["members"]))
+    before = _training(kube, _status(kube)["replicas"])
     stayer = _agent(kube, before["members"][0])
     start = time.perf_counter()
     kube.kubectl("scale", f"etj/{JOB}", f"--replicas={replicas}")
@@ -135,7 +135,7 @@ def live(kube: Kube, replicas: int) -> dict[str, Any]:
     last = after["lastReconfiguration"]
     assert last["result"] == "committed" and last["epoch"] == new_epoch, last
     return {
-        "resize": f"{len(before['members'])} -> {replicas}",
+        "resize": f"{before['replicas']} -> {replicas}",
         "from": last["from"],
         "to": last["to"],
         "scale_to_first_step_seconds": round(seconds, 3),
