@@ -144,18 +144,30 @@ def live(kube: Kube, replicas: int) -> dict[str, Any]:
     }
 
 
+def _recovery(
+    kube: Kube, survivor: AgentClient, epoch: int, kill: Callable[[], object]
+) -> tuple[float, int, dict[str, Any]]:
+    """`kill()` a member of the world in `epoch`: the seconds until `survivor` trains in the
+    recovery's epoch, that epoch, and the recovery as the job records it."""
+    start = time.perf_counter()
+    kill()
+    new_epoch = _new_epoch(survivor, epoch)
+    seconds = time.perf_counter() - start
+    last = wait_until(
+        lambda: (r := _status(kube).get("lastReconfiguration") or {}).get("epoch") == new_epoch
+        and r, STARTUP, "the recovery recorded",
+    )  # fmt: skip
+    return seconds, new_epoch, last
+
+
 def lost(kube: Kube) -> dict[str, Any]:
     """Force-delete the last member's pod; the job recovers without it, then grows back."""
     before = _training(kube, len(_status(kube)["members"]))
     victim = before["members"][-1]
     survivor = _agent(kube, before["members"][0])
-    start = time.perf_counter()
-    kube.kubectl("delete", "pod", victim, "--grace-period=0", "--force")
-    new_epoch = _new_epoch(survivor, before["epoch"])
-    seconds = time.perf_counter() - start
-    last = wait_until(
-        lambda: (r := _status(kube).get("lastReconfiguration") or {}).get("epoch") == new_epoch
-        and r, STARTUP, "the recovery recorded",
+    seconds, new_epoch, last = _recovery(
+        kube, survivor, before["epoch"],
+        lambda: kube.kubectl("delete", "pod", victim, "--grace-period=0", "--force"),
     )  # fmt: skip
     assert last["result"] == "committed" and f"lost {victim}" in last["reason"], last
     _training(kube, len(before["members"]), new_epoch)  # a new pod pre-warmed and joined
@@ -266,14 +278,7 @@ def pods(kube: Kube) -> dict[str, Any]:
     children = Path(f"/proc/{supervisor.removeprefix('process://')}/task")
     pids = [c for task in children.iterdir() for c in (task / "children").read_text().split()]
     (pid,) = [p for p in pids if victim in Path(f"/proc/{p}/cmdline").read_text().split("\0")]
-    start = time.perf_counter()
-    os.kill(int(pid), 9)
-    new_epoch = _new_epoch(survivor, before["epoch"])
-    seconds = time.perf_counter() - start
-    last = wait_until(
-        lambda: (r := _status(kube).get("lastReconfiguration") or {}).get("epoch") == new_epoch
-        and r, STARTUP, "the recovery recorded",
-    )  # fmt: skip
+    seconds, _, last = _recovery(kube, survivor, before["epoch"], lambda: os.kill(int(pid), 9))
     assert last["result"] == "committed" and last["reason"].startswith("lost "), last
     return {
         "first": first["layout"], "members": len(first["members"]), "grow": grown,

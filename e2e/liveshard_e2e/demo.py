@@ -172,11 +172,7 @@ def run(keep: bool, timeline: Path | None = None) -> None:
         resume = '{"spec":{"suspend":false,"replicas":2}}'
         kube.kubectl("patch", f"etj/{JOB}", "--type=merge", "-p", resume)
         narrator.wait(_running(2, epoch), "the job resumed on 2 members", STARTUP)
-        time.sleep(10)
-        final = narrator.status()
-        narrator.say(f"done: step {final['step']}, loss {final['loss']:.4f}, epoch "
-                     f"{final['epoch']}, {final['layout']}")  # fmt: skip
-        print(kube.kubectl("get", "etj").stdout, flush=True)
+        _done(kube, narrator, lambda s: f"loss {s['loss']:.4f}, epoch {s['epoch']}, {s['layout']}")
         draw_timeline(kube, timeline or cluster.run_dir("demo") / "timeline.png")
         _pods_of_two(kube, narrator)
         narrator.stop.set()
@@ -203,10 +199,16 @@ def _pods_of_two(kube: Kube, narrator: Narrator) -> None:
     narrator.say(f"kubectl scale etj/{JOB} --replicas=3  (pods: 4 -> 6 members)")
     kube.kubectl("scale", f"etj/{JOB}", "--replicas=3")
     narrator.wait(_running(3, epoch), "the job in 3 pods", STARTUP)
+    _done(kube, narrator, lambda s: f"{s['layout']}, members in rank order "
+                                    f"{', '.join(s['members'])}")  # fmt: skip
+
+
+def _done(kube: Kube, narrator: Narrator, what: Callable[[dict[str, Any]], str]) -> None:
+    """After 10 s more of training: the job's step and `what` its status says, and `kubectl get
+    etj`."""
     time.sleep(10)
     final = narrator.status()
-    narrator.say(f"done: step {final['step']}, {final['layout']}, members in rank order "
-                 f"{', '.join(final['members'])}")  # fmt: skip
+    narrator.say(f"done: step {final['step']}, {what(final)}")
     print(kube.kubectl("get", "etj").stdout, flush=True)
 
 
