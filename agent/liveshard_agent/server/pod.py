@@ -4,8 +4,7 @@ A pod may hold several members (one per GPU). With LIVESHARD_POD_MEMBERS=N from 
 `liveshard-agent` starts N agents as child processes instead of being one. Member k is named
 `<pod>-k` and is a whole agent: it serves its API in plaintext on a Unix socket in a folder only
 this pod's user can enter (LIVESHARD_LISTEN), its metrics on 127.0.0.1 at the pod's metrics port
-+ 1 + k, gets the k-th of the pod's GPUs when CUDA_VISIBLE_DEVICES lists one for each, and hosts
-stores and process groups on the pod IP, as a pod's lone agent does. The supervisor serves:
++ 1 + k, gets the k-th of the pod's GPUs (`member_env`), and hosts stores and process groups on the pod IP, as a pod's lone agent does. The supervisor serves:
 
 - the `liveshard.v1.Agent` API on the pod's address, behind the same mutual TLS and token check
   as an agent's (`certs`, `auth`), as a proxy: the metadata key `liveshard-member` names the
@@ -101,17 +100,21 @@ def pod_members(config: AgentConfig, folder: Path) -> list[PodMember]:
 
 def member_env(environ: Mapping[str, str], member: PodMember, k: int, count: int) -> dict[str, str]:
     """The environment of member `k` of `count`: the pod's, less its TLS material (a member's
-    API is reached through the supervisor only) and member count, with the k-th GPU when there
-    is one for each member."""
+    API is reached through the supervisor only) and member count, with the k-th GPU: of
+    CUDA_VISIBLE_DEVICES when it lists one for each member, else, when it is not set, the
+    container's k-th (a device plugin shows a container its own GPUs only, from 0)."""
     dropped = {*TLS_VARIABLES, "LIVESHARD_POD_MEMBERS"}
     env = {key: value for key, value in environ.items() if key not in dropped}
     env.update(
         LIVESHARD_MEMBER=member.name, LIVESHARD_LISTEN=member.address,
         LIVESHARD_METRICS_HOST=MEMBERS_HOST, LIVESHARD_METRICS_PORT=str(member.metrics_port),
     )  # fmt: skip
-    devices = [d.strip() for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    devices = [d.strip() for d in (visible or "").split(",") if d.strip()]
     if len(devices) >= count:
         env["CUDA_VISIBLE_DEVICES"] = devices[k]
+    elif visible is None:  # the container sees its own GPUs only, numbered from 0 (a device plugin)
+        env["CUDA_VISIBLE_DEVICES"] = str(k)
     return env
 
 

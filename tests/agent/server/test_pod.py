@@ -255,6 +255,8 @@ def test_the_members_configuration() -> None:
     assert env["CUDA_VISIBLE_DEVICES"] == "5" and env["LIVESHARD_POD_IP"] == HOST
     one_gpu = member_env({**environ, "CUDA_VISIBLE_DEVICES": "3"}, member, 1, 2)
     assert one_gpu["CUDA_VISIBLE_DEVICES"] == "3"  # fewer GPUs than members: left as it is
+    unset = {k: v for k, v in environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    assert member_env(unset, member, 1, 2)["CUDA_VISIBLE_DEVICES"] == "1"  # the container's own
 
     config = load(member_env(agent_env(POD, 7070), member, 1, 2), [])
     assert (config.address, config.metrics_host, config.pod_members) == (
