@@ -4,7 +4,8 @@ A pod may hold several members (one per GPU). With LIVESHARD_POD_MEMBERS=N from 
 `liveshard-agent` starts N agents as child processes instead of being one. Member k is named
 `<pod>-k` and is a whole agent: it serves its API in plaintext on a Unix socket in a folder only
 this pod's user can enter (LIVESHARD_LISTEN), its metrics on 127.0.0.1 at the pod's metrics port
-+ 1 + k, gets the k-th of the pod's GPUs (`member_env`), and hosts stores and process groups on the pod IP, as a pod's lone agent does. The supervisor serves:
++ 1 + k, gets the k-th of the pod's GPUs (`member_env`), and hosts stores and process groups on
+the pod IP, as a pod's lone agent does. The supervisor serves:
 
 - the `liveshard.v1.Agent` API on the pod's address, behind the same mutual TLS and token check
   as an agent's (`certs`, `auth`), as a proxy: the metadata key `liveshard-member` names the
