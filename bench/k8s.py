@@ -53,7 +53,7 @@ from liveshard_operator.agents import AgentClient, ClientTls
 
 from liveshard.v1 import agent_pb2 as pb
 from liveshard_e2e import cluster
-from liveshard_e2e.testing import Kube
+from liveshard_e2e.testing import Kube, member_pid
 from liveshard_e2e.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -274,11 +274,8 @@ def pods(kube: Kube) -> dict[str, Any]:
     before = _training(kube, 3)
     victim = before["members"][-1]
     survivor = _agent(kube, before["members"][0])
-    supervisor = _pod(kube, victim)["status"]["containerStatuses"][0]["containerID"]
-    children = Path(f"/proc/{supervisor.removeprefix('process://')}/task")
-    pids = [c for task in children.iterdir() for c in (task / "children").read_text().split()]
-    (pid,) = [p for p in pids if victim in Path(f"/proc/{p}/cmdline").read_text().split("\0")]
-    seconds, _, last = _recovery(kube, survivor, before["epoch"], lambda: os.kill(int(pid), 9))
+    pid = member_pid(_pod(kube, victim), victim)
+    seconds, _, last = _recovery(kube, survivor, before["epoch"], lambda: os.kill(pid, 9))
     assert last["result"] == "committed" and last["reason"].startswith("lost "), last
     return {
         "first": first["layout"], "members": len(first["members"]), "grow": grown,

@@ -9,6 +9,7 @@ import os
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -137,6 +138,16 @@ class Kube:
 
     def set_heartbeat(self, node: str, enabled: bool) -> None:
         set_heartbeat(self.info.run_dir, node, enabled)
+
+
+def member_pid(pod: dict[str, Any], member: str) -> int:
+    """The process of `member` in a pod of several members on the local cluster: a child of the
+    pod's supervisor, the container's process (`process://PID`)."""
+    supervisor = pod["status"]["containerStatuses"][0]["containerID"].removeprefix("process://")
+    for child in Path(f"/proc/{supervisor}/task/{supervisor}/children").read_text().split():
+        if member in Path(f"/proc/{child}/cmdline").read_bytes().decode().split("\0"):
+            return int(child)
+    raise LookupError(f"no process of {member} under the supervisor {supervisor}")
 
 
 def running(pod: dict[str, Any]) -> bool:

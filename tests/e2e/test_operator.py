@@ -33,7 +33,7 @@ from liveshard_core.job import DEFAULT_METRICS_PORT
 from liveshard_core.layout.layout import parse_degrees
 from liveshard_core.vps.hf import HfModel
 from liveshard_core.vps.presets import CONFIGS
-from liveshard_e2e.testing import Kube
+from liveshard_e2e.testing import Kube, member_pid
 from liveshard_e2e.waiting import wait_until
 from tests.e2e.deployment import API, CHART, example, install_crd, release_name
 
@@ -428,10 +428,7 @@ def test_pods_of_two_members_keep_tp_inside_scale_and_drain_whole(operator: Kube
 
     # One member's process dies: its pod ends with it, and both are recovered in memory at once.
     pod = members(kube)[pods_of(back)[0]]
-    supervisor = int(
-        pod["status"]["containerStatuses"][0]["containerID"].removeprefix("process://")
-    )
-    os.kill(member_pid(supervisor, f"{pod['metadata']['name']}-1"), signal.SIGKILL)
+    os.kill(member_pid(pod, f"{pod['metadata']['name']}-1"), signal.SIGKILL)
     lost = {f"{pod['metadata']['name']}-{k}" for k in range(2)}
     recovered = steps.wait(
         lambda s: not lost & set(s.get("members", lost)) and s.get("phase") == "Running",
@@ -442,15 +439,6 @@ def test_pods_of_two_members_keep_tp_inside_scale_and_drain_whole(operator: Kube
     assert all(m in last["reason"] for m in lost) and "restore" not in last["reason"], last
     assert recovered["step"] >= back["step"]  # from memory: no step went back
     steps.wait(lambda s: s.get("step", 0) > recovered["step"], "training on")
-
-
-def member_pid(supervisor: int, member: str) -> int:
-    """The process of `member`, a child of its pod's supervisor."""
-    for child in Path(f"/proc/{supervisor}/task/{supervisor}/children").read_text().split():
-        words = Path(f"/proc/{child}/cmdline").read_bytes().decode().split("\0")
-        if member in words:
-            return int(child)
-    raise AssertionError(f"no process of {member} under {supervisor}")
 
 
 def test_a_suspended_job_resumes_in_another_layout_at_the_same_step(

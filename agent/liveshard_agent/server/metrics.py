@@ -9,9 +9,7 @@ apart. This module must not drive the member or read the status board.
 
 from __future__ import annotations
 
-from wsgiref.simple_server import WSGIServer
-
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from liveshard_core.job import Result, TrainingSettings
 from liveshard_core.policy.rebalance import imbalance
@@ -153,9 +151,3 @@ class Metrics:
     def set_phase(self, phase: Phase) -> None:
         for each, series in self._phases.items():
             series.set(1 if each is phase else 0)
-
-    def serve(self, host: str, port: int) -> WSGIServer:
-        """Serve the registry at http://host:port/metrics from a daemon thread; the caller stops
-        it with `shutdown()`. OSError if the port is taken or the address is not this host's."""
-        server, _ = start_http_server(port, host, registry=self.registry)
-        return server

@@ -47,7 +47,7 @@ from typing import Any, NoReturn
 from wsgiref.simple_server import WSGIServer
 
 import grpc
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -59,6 +59,7 @@ from ..engine.record import context_logger
 from . import listen
 from .certs import ServingCertificate
 from .config import TLS_VARIABLES, AgentConfig
+from .errors import Refused, status_of
 
 log = logging.getLogger(__name__)
 
@@ -182,15 +183,12 @@ class Proxy(grpc.GenericRpcHandler):
             request = pb.RotateCertificateRequest.FromString(raw)
         except Exception as err:  # protobuf's DecodeError
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: {err}")
-        if self._serving is None:
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "this pod serves its API in plaintext: it has no certificate",
-            )
         try:
+            if self._serving is None:
+                raise Refused("this pod serves its API in plaintext: it has no certificate")
             served = self._serving.replace(request.cert, request.key, request.ca)
-        except InvalidInput as err:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except (InvalidInput, Refused) as err:  # as an agent's: the one table of `errors`
+            context.abort(*status_of(err))
         log.info("the pod's serving certificate rotated: new connections get %s", served[:16])
         return bytes(pb.RotateCertificateResponse().SerializeToString())
 
@@ -271,21 +269,12 @@ def _serve_api(config: AgentConfig, proxy: Proxy, tls: ServingCertificate | None
 def _serve_metrics(
     config: AgentConfig, members: list[PodMember], logger: logging.LoggerAdapter[logging.Logger]
 ) -> WSGIServer | None:
-    """The members' metrics merged, on the pod's metrics port; None when that is 0 or taken (worth
-    no stopped pod, as for an agent)."""
-    if not config.metrics_port:
-        return None
+    """The members' metrics merged, on the pod's metrics port (`listen.serve_metrics`)."""
     registry = CollectorRegistry()
     registry.register(
         MergedMetrics([f"http://{MEMBERS_HOST}:{m.metrics_port}/metrics" for m in members])
     )
-    host = config.metrics_host or config.pod_ip
-    try:
-        server, _ = start_http_server(config.metrics_port, host, registry)
-    except OSError as err:
-        logger.warning("no metrics: cannot serve on port %s: %s", config.metrics_port, err)
-        return None
-    return server
+    return listen.serve_metrics(registry, config, logger)
 
 
 def _command(member: PodMember, argv: list[str]) -> list[str]:

@@ -14,7 +14,6 @@ import logging
 import os
 import threading
 from dataclasses import replace
-from wsgiref.simple_server import WSGIServer
 
 import torch
 
@@ -30,6 +29,7 @@ from ..export import export
 from ..runtime.events import Checkpointed, Event, Report
 from ..runtime.loop import run_member
 from ..runtime.member import Member
+from . import listen
 from .certs import ServingCertificate
 from .config import AgentConfig, ConfigError
 from .inbox import CommandInbox
@@ -102,7 +102,7 @@ def serve(config: AgentConfig, board: StatusBoard) -> int:
     except RuntimeError as err:  # grpc's: the address is not this host's, or the port is taken
         logger.error("cannot serve on %s: %s", config.address, err)
         return 1
-    metrics_server = serve_metrics(metrics, config, logger)
+    metrics_server = listen.serve_metrics(metrics.registry, config, logger)
     fingerprint = serving.fingerprint if serving is not None else ""
     board.update(
         lambda s: replace(
@@ -147,25 +147,6 @@ def _exit_when_discarded(
         logger.warning("discarded: the member did not stop within %s s; exiting now", DISCARD_EXIT)
         logging.shutdown()
         os._exit(0)
-
-
-def serve_metrics(
-    metrics: Metrics, config: AgentConfig, logger: logging.LoggerAdapter[logging.Logger]
-) -> WSGIServer | None:
-    """`metrics` served on LIVESHARD_METRICS_HOST (the pod IP unless set) at
-    LIVESHARD_METRICS_PORT, or None when that is 0 or the port cannot be had: metrics are worth
-    no stopped training (agents sharing one address, as the tests' do, find the default port
-    taken), so that is logged, not fatal."""
-    if config.metrics_port == 0:
-        return None
-    host = config.metrics_host or config.pod_ip
-    try:
-        metrics_server = metrics.serve(host, config.metrics_port)
-    except OSError as err:
-        logger.warning("no metrics: cannot serve on port %s: %s", config.metrics_port, err)
-        return None
-    logger.info("serving metrics at %s:%s/metrics", host, config.metrics_port)
-    return metrics_server
 
 
 def exporting(report: Report, logger: logging.LoggerAdapter[logging.Logger]) -> Report:
