@@ -72,8 +72,15 @@ def progress(draft: Draft, plan: InFlight) -> None:
         m for m, a in agents.items()
         if m not in vanished and _pending_in(a, plan.epoch, pb.Pending.PREPARED)
     ]  # fmt: skip
+    # A member says it trains in the new epoch a moment before its account of the switch (the
+    # pause, the bytes) is in its status: the record waits for one account, unless a member
+    # is gone (the survivors' account then waits for the dead epoch's collectives).
+    accounted = [m for m in trained if agents[m].last_switch.epoch == plan.epoch]
     if trained and not aborted and len(trained) == len(there):
-        _commit(draft, plan, agents, trained[0])
+        if accounted or vanished or overdue:
+            _commit(draft, plan, agents, (accounted or trained)[0])
+        else:
+            draft.message = f"epoch {plan.epoch}: every member switched; waiting for an account"
     elif trained and aborted:
         _split(draft, plan, trained, aborted)
     elif trained:

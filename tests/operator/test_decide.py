@@ -398,8 +398,16 @@ CASES: dict[str, Case] = {
         after=["Normal Reconfigured", "label p2 member"],
         changed={"world": GROW.new, "in_flight": None},
     ),
-    "in flight: commit a scale down, release and delete who left": Case(
+    "in flight: every new member trains in its epoch, none has its account yet: wait": Case(
         J2, seen(pod("p0", training(2), role=M), pod("p1", training(2), role=M),
+                 pod("p2", training(1), role=M)),
+        Record(world=W3, in_flight=SHRINK, last_epoch=2), "Reconfiguring",
+        message="epoch 2: every member switched; waiting for an account",
+    ),
+    "in flight: commit a scale down, release and delete who left": Case(
+        J2, seen(pod("p0", training(2), role=M),
+                 pod("p1", training(2, last_switch=switch(2, COMMITTED, pause_seconds=0.25)),
+                     role=M),
                  pod("p2", training(1), role=M)),
         Record(world=W3, in_flight=SHRINK, last_epoch=2), "Running",
         after=["Normal Reconfigured", "label p2 standby", "release p2", "delete p2"],
@@ -538,6 +546,12 @@ def test_decide(case: Case) -> None:
     degraded = condition(status, "Degraded")
     assert (degraded["reason"] if degraded["status"] == "True" else "") == case.degraded
     assert status["reconfiguration"] == decision.record.to_dict()
+
+
+def test_the_commit_reports_the_pause_of_a_member_that_gave_its_account() -> None:
+    case = CASES["in flight: commit a scale down, release and delete who left"]
+    last = decide(case.seen, case.record, case.job, NOW).status["lastReconfiguration"]
+    assert last["result"] == "committed" and last["pauseSeconds"] == 0.25
 
 
 def test_a_pass_reads_no_clock_and_decides_the_same_twice() -> None:

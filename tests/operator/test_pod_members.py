@@ -20,7 +20,7 @@ from liveshard.v1 import agent_pb2 as pb
 from liveshard_core.assign.nodes import pairs_on_one_node
 from liveshard_core.errors import InvalidInput
 from liveshard_core.layout.layout import Layout, parse_degrees
-from tests.operator.values import NOW, job, pod, seen, standby, training
+from tests.operator.values import NOW, job, pod, seen, standby, switched, training
 
 TP2 = {"parallelism": {"tp": 2, "zero": 1}}
 
@@ -130,7 +130,7 @@ def test_a_shrink_takes_whole_pods_and_deletes_each_once() -> None:
     assert plan.reason == "scale 6 -> 4"
     # Committed: both leave, the pod is deleted once, and the pod the world keeps is not.
     flight = replace(plan, store=("10.0.0.0", 7000))
-    committed = _training(2, "p0 p1")
+    committed = pods(*(members(n, switched(2), role=render.MEMBER) for n in ("p0", "p1")))
     gone = [replace(p, agent=training(1)) for p in members("p2", None, role=render.MEMBER)]
     decision = decide(pods(list(committed.pods.values()), gone),
                       Record(world=old, in_flight=flight), two, NOW)  # fmt: skip

@@ -23,7 +23,7 @@ from liveshard_core.errors import InvalidInput
 from liveshard_core.job import JobConfig
 from liveshard_core.job.rebalance import RebalanceSettings
 from liveshard_core.layout.layout import Degrees
-from tests.operator.values import NOW, job, pod, seen, standby, switch, training, world
+from tests.operator.values import NOW, job, pod, seen, standby, switch, switched, training, world
 
 ROOT = Path(__file__).resolve().parents[2]
 M = render.MEMBER
@@ -49,9 +49,10 @@ def of(degrees: Degrees, members: list[str], epoch: int) -> World:
 
 
 def trains(the_world: World, measured: pb.Costs | None, *more: Any) -> Observation:
-    """Every member of `the_world` training in its epoch, reporting `measured`; `more` pods."""
+    """Every member of `the_world` training in its epoch, its switch into it accounted for,
+    reporting `measured`; `more` pods."""
     fields = {"costs": measured} if measured is not None else {}
-    members = (pod(m, training(the_world.epoch, **fields), role=M) for m in the_world.members)
+    members = (pod(m, switched(the_world.epoch, **fields), role=M) for m in the_world.members)
     return seen(*members, *more)
 
 
@@ -154,7 +155,9 @@ def test_pack_runs_on_fewer_stages_and_releases_the_others() -> None:
     assert events(decision) == ["Pack"]
     # Committed: the members left are released and their pods deleted, as in a scale-down.
     plan = replace(plan, epoch=2, new=PACKED, store=("10.0.0.0", 7000))
-    there = seen(*(pod(m, training(2 if m in PACKED.members else 1), role=M) for m in MEMBERS))
+    there = seen(
+        *(pod(m, switched(2) if m in PACKED.members else training(1), role=M) for m in MEMBERS)
+    )
     decision = decide(there, Record(world=W8, in_flight=plan, last_epoch=2), PACKING, NOW)
     assert decision.record.world == PACKED
     assert decision.record.rebalance == PACKED_STATE
@@ -223,7 +226,7 @@ def test_grow_creates_pods_then_switches_to_more_stages_on_them() -> None:
     assert events(fourth) == ["Grow"]
     # Committed: the members taken back are released no more.
     plan = replace(plan, store=("10.0.0.0", 7000))
-    joined = seen(*(pod(m, training(3), role=M) for m in plan.new.members))
+    joined = seen(*(pod(m, switched(3), role=M) for m in plan.new.members))
     done = decide(joined, replace(first.record, in_flight=plan, last_epoch=3), PACKING, NOW)
     assert done.record.world == plan.new
     assert done.record.rebalance == Rebalancing(left=((2, 2), (4,)))

@@ -83,6 +83,11 @@ def switch(
                             **fields)  # fmt: skip
 
 
+def switched(epoch: int, **fields: Any) -> pb.AgentStatus:
+    """A member training in `epoch`, its account of the switch into it given."""
+    return training(epoch, last_switch=switch(epoch, pb.SwitchSummary.COMMITTED), **fields)
+
+
 def checkpoint(number: int, step: int, path: str) -> pb.CheckpointSummary:
     return pb.CheckpointSummary(number=number, step=step, path=path)
 
