@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -115,22 +117,36 @@ class Pending:
 
 def max_over_world(world: World | None, seconds: float) -> float:
     """The longest of every member's `seconds` over `world` (a member in no world: its own; and
-    when a member of the world died after the switch was decided, its own: the all-reduce
-    failed here, so the world's groups are closed, and the members still waiting in it fail at
-    once too, not at the op deadline; the next step breaks the world here)."""
+    when a member of the world died after the switch was decided, its own: the world is closed
+    (`closes_on_failure`), and the next step breaks it here)."""
     if world is None:
         return seconds
     value = torch.tensor([seconds], dtype=torch.float64, device=world.device)
     try:
-        comm.all_reduce(value, world.group(Axis.WORLD), ReduceOp.MAX)
-    except RuntimeError as err:  # torch's: a peer is gone
-        world.close(f"{type(err).__name__}: {err}".split("\n")[0])
+        with closes_on_failure(world):
+            comm.all_reduce(value, world.group(Axis.WORLD), ReduceOp.MAX)
+    except RuntimeError:  # torch's: a peer is gone
         return seconds
     return float(value)
 
 
 def state_digest(state: ShardedState, world: World) -> str:
-    """A digest of the whole state's checksum totals over `world` (layout-independent)."""
+    """A digest of the whole state's checksum totals over `world` (layout-independent); raises
+    torch's RuntimeError, the world closed, when a peer is gone."""
     sums = Checksums.of_state(state)
-    comm.all_reduce(sums.sums, world.group(Axis.WORLD))
+    with closes_on_failure(world):
+        comm.all_reduce(sums.sums, world.group(Axis.WORLD))
     return hashlib.sha256(repr(sums.reduced().tolist()).encode()).hexdigest()[:16]
+
+
+@contextmanager
+def closes_on_failure(world: World) -> Iterator[None]:
+    """Close `world` as a collective of the block fails (a peer is gone), so that the members
+    still waiting in one of its collectives fail at once too, not at the op deadline. A member
+    must run no other collective on a world once one failed: gloo's groups close their
+    connections only once idle, and the peers of one left waiting would wait it out."""
+    try:
+        yield
+    except RuntimeError as err:
+        world.close(f"{type(err).__name__}: {err}".split("\n")[0])
+        raise

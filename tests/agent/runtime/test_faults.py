@@ -12,6 +12,7 @@ secret (`engine.sealed`): a process without it can neither abort a switch nor st
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import replace
 from datetime import timedelta
@@ -44,7 +45,8 @@ def assert_found_at_once(events: list[dict[str, Any]]) -> None:
     switch failed closes its world, so the members still waiting in it fail at once (on a
     pipeline, one that trained on would otherwise wait for stage inputs while they wait for it,
     both until the op deadline)."""
-    slow = [e["reason"] for e in events if e["event"] == "broken" and "Timed out" in e["reason"]]
+    timed_out = re.compile("timed out|timeout", re.IGNORECASE)  # gloo's words for it
+    slow = [e["reason"] for e in events if e["event"] == "broken" and timed_out.search(e["reason"])]
     assert not slow, slow
 
 
@@ -67,6 +69,7 @@ def test_a_member_killed_inside_a_switch_is_recovered_from_without_a_split(phase
     # (then switches as scripted); after it, everyone committed and it recovers in the new one.
     assert short(recovery["from"]) == short(recovery["to"]) == AFTER[phase]
     assert layouts(events)[-1] == NEW
+    assert_found_at_once(events)
     assert_same_training("tiny", events)
 
 
@@ -86,6 +89,7 @@ def test_a_member_killed_inside_a_switch_of_mirrored_zero_layouts_is_recovered_i
     assert short(recovery["from"]) == short(recovery["to"]) == (new if phase == "commit" else old)
     assert layouts(events)[-1] == new
     assert not [e for e in events if e["event"] == "restored"]
+    assert_found_at_once(events)
     assert_same_training("tiny", events)
 
 
