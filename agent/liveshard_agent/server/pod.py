@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import urllib.request
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -77,6 +78,7 @@ _CHANNEL_OPTIONS = [("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect
 _NO_DEADLINE = 1e8
 _METRICS_TIMEOUT = 2.0  # seconds a member has to answer for its metrics
 _STOP_GRACE = 5.0  # seconds for calls in flight when the proxy stops
+_SERVED_POLL = 0.1  # seconds between looks for the members' sockets
 
 
 @dataclass(frozen=True)
@@ -304,23 +306,27 @@ def supervise(config: AgentConfig, environ: Mapping[str, str], argv: list[str]) 
     proxy = Proxy(members, tls)
     children: list[subprocess.Popen[bytes]] = []
     try:
-        try:
-            server = _serve_api(config, proxy, tls)
-        except RuntimeError as err:  # grpc's: the address is not this host's, or the port taken
-            logger.error("cannot serve on %s: %s", config.address, err)
-            return 1
-        metrics_server = _serve_metrics(config, members, logger)
         for k, member in enumerate(members):
             env = member_env(environ, member, k, len(members))
             children.append(subprocess.Popen(_command(member, argv), env=env))
         threading.Thread(
             target=_pass_sigterm, args=(children,), name="sigterm", daemon=True
         ).start()
-        logger.info(
-            "serving the pod's members %s on %s", ", ".join(m.name for m in members), config.address
-        )
+        # The pod's port opens once every member serves, as a one-member pod's opens once its
+        # agent does: a readiness probe on it then says the pod's members answer.
+        server = None
+        if _until_served(members, children):
+            try:
+                server = _serve_api(config, proxy, tls)
+            except RuntimeError as err:  # grpc's: the address is not this host's, or port taken
+                logger.error("cannot serve on %s: %s", config.address, err)
+                return 1
+            logger.info("serving the pod's members %s on %s",
+                        ", ".join(m.name for m in members), config.address)  # fmt: skip
+        metrics_server = _serve_metrics(config, members, logger)
         status = _wait(members, children, logger)
-        server.stop(_STOP_GRACE).wait()
+        if server is not None:
+            server.stop(_STOP_GRACE).wait()
         if metrics_server is not None:
             metrics_server.shutdown()
             metrics_server.server_close()
@@ -334,6 +340,17 @@ def supervise(config: AgentConfig, environ: Mapping[str, str], argv: list[str]) 
                 child.wait()
         proxy.close()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _until_served(members: list[PodMember], children: list[subprocess.Popen[bytes]]) -> bool:
+    """Wait until every member's socket is there (its agent serves); False as soon as a member
+    has exited (the pod ends with it)."""
+    sockets = [Path(m.address.removeprefix("unix:")) for m in members]
+    while not all(socket.exists() for socket in sockets):
+        if any(child.poll() is not None for child in children):
+            return False
+        time.sleep(_SERVED_POLL)
+    return True
 
 
 def _wait(

@@ -76,6 +76,21 @@ def wait_members_ready(pod: Agent) -> None:
         assert pod.wait_ready().member == member
 
 
+def assert_port_opens_once_members_serve(pod: Agent) -> None:
+    """The pod's port, which a readiness probe connects to, opens only once every member's
+    agent serves: at once, a call to either is answered, not refused as unreachable."""
+    deadline = time.monotonic() + WAIT
+    while True:
+        with socket.socket() as probe:
+            if probe.connect_ex((HOST, pod.port)) == 0:
+                break
+        assert pod.proc.poll() is None and time.monotonic() < deadline, pod.output()
+        time.sleep(0.05)
+    for member in MEMBERS:
+        status = pod.call("GetStatus", pb.GetStatusRequest(), metadata=metadata(member))
+        assert status.member == member
+
+
 def member_pids(pod: Agent) -> dict[str, int]:
     """The supervisor's live children by member, read from their command lines (a zombie's is
     empty)."""
@@ -107,6 +122,7 @@ def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent]:
     metrics_port = free_ports(3)
     started = start_pod(tmp_path_factory.mktemp("pod"), LIVESHARD_METRICS_PORT=metrics_port)
     try:
+        assert_port_opens_once_members_serve(started)
         wait_members_ready(started)
         yield started
     finally:
