@@ -513,6 +513,9 @@ class Driver:
         else:
             joined = [m for m in change.new.members if m not in change.old.ranks]
             self.standby += joined
+        # A settled change's accounts are read no more, unless a member is undecided in it.
+        waiting = {epoch for epoch, _ in self.undecided.values()}
+        self.accounts = {e: a for e, a in self.accounts.items() if e > change.epoch or e in waiting}
         self._request_next()
 
     # ---- live rebalancing ----

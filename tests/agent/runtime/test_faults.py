@@ -280,5 +280,6 @@ def test_a_process_without_the_job_secret_can_neither_abort_nor_steer_a_switch()
         assert "forged" not in aborted["reason"]
     assert third["result"] == "committed", third
     assert third["checksums"]["before"] == third["checksums"]["after"]
+    assert all(epoch == 3 for epoch in driver.accounts), driver.accounts  # the settled, dropped
     assert layouts(events) == ["dp=2,tp=1,pp=1,ep=1,zero=0", "dp=3,tp=1,pp=1,ep=1,zero=0"]
     assert_same_training("tiny", events)
