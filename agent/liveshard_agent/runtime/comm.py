@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, cast
 
 import torch
-from torch.distributed import AllreduceOptions, AllToAllOptions, ReduceOp
+from torch.distributed import AllreduceOptions, AllToAllOptions, ReduceOp, Work
 
 from ..engine import backend
 from ..engine.backend import Group
@@ -28,24 +28,22 @@ def all_reduce(tensor: torch.Tensor, group: Group, op: ReduceOp.RedOpType = Redu
     group.allreduce([tensor], options).wait()
 
 
-def exchange(
+def post_exchange(
     outgoing: dict[int, torch.Tensor],
     incoming: dict[int, torch.Tensor],
     group: Group,
     device: torch.device,
-) -> None:
-    """Send `outgoing[r]` to member r of `group` and receive `incoming[r]` from member r: every
-    operation posted before any is waited for (one group call on NCCL), so members exchanging
-    round a ring cannot deadlock."""
+) -> list[Work]:
+    """Post the send of `outgoing[r]` to member r of `group` and the receive of `incoming[r]`
+    from member r; what to wait for. Every operation is posted before any is waited for (one
+    group call on NCCL), so members exchanging round a ring cannot deadlock; the caller computes
+    meanwhile, and reads `incoming` only once every one is waited for."""
     coalesce = backend.coalesces(device)
     if coalesce:
         backend.start_coalescing(group, device)
     works = [group.send([t], r, 0) for r, t in outgoing.items()]
     works += [group.recv([t], r, 0) for r, t in incoming.items()]
-    if coalesce:
-        works = [backend.end_coalescing(group, device)]
-    for work in works:
-        work.wait()
+    return [backend.end_coalescing(group, device)] if coalesce else works
 
 
 class _CopyToGroup(torch.autograd.Function):

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.distributed import Work
 
 from liveshard_core.job import TrainingSettings
 from liveshard_core.vps.box import Box, box_shape, volume
@@ -47,7 +48,7 @@ from liveshard_core.vps.spec import Param, StateKind
 from ..engine.backend import AdamStep, Group, adamw_all, copy_all
 from ..engine.world import Axis
 from . import comm
-from .weights import Weight, Weights, box_view
+from .weights import Route, Weight, Weights, box_view
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,33 @@ class UpdateStats:
     grad_norm: float
     lr: float
     totals: tuple[float, ...]  # the step's `totals`, summed over the world
-    exchange_seconds: float = 0.0  # spent sending and receiving the peers' gradients (`Peers`)
+    # spent sending and receiving the peers' gradients (`Peers`) and not overlapped: posting
+    # them, then waiting for them once this member's part of the norm is computed
+    exchange_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Exchange:
+    """The peers' gradients in flight (`Optimizer._post_exchange`)."""
+
+    incoming: dict[int, torch.Tensor]  # by the rank sending them
+    works: list[Work]
+    posting: float  # the seconds posting took
+    copies: dict[int, Route]  # what `incoming` holds, by that rank (`Peers.copies`)
+
+    def wait(self) -> tuple[list[torch.Tensor], float]:
+        """The gradients received, one per copy in `Peers.held` order, once every send and
+        receive is done; and the seconds of the exchange this member waited (posting too)."""
+        start = time.perf_counter()
+        for work in self.works:
+            work.wait()
+        out: list[torch.Tensor] = []
+        for src, route in self.copies.items():
+            offset = 0
+            for _, box in route:
+                out.append(self.incoming[src][offset : offset + volume(box)].view(box_shape(box)))
+                offset += volume(box)
+        return out, self.posting + time.perf_counter() - start if self.works else 0.0
 
 
 @dataclass(frozen=True)
@@ -109,8 +136,12 @@ class Optimizer:
         for w in weights.all():
             for t in w.tensors:
                 t.grad = None
-        copies, exchanged = self._exchange(grads)
+        # The copies' gradients travel while this member computes its part of the norm; all
+        # have arrived before the norm's all-reduce, which a member completes only once every
+        # member's have (what a recovery relies on: `Peers`).
+        exchange = self._post_exchange(grads)
         values = self._norm_squares(grads, totals)
+        copies, exchanged = exchange.wait()
         self.unfinished = _Unfinished(grads, copies, step, adam_step)
         comm.all_reduce(values, world.group(Axis.WORLD))
         self.unfinished = None
@@ -129,14 +160,13 @@ class Optimizer:
             unfinished.grads, unfinished.copies, summed, unfinished.step, unfinished.adam_step
         )
 
-    def _exchange(self, grads: dict[str, list[torch.Tensor]]) -> tuple[list[torch.Tensor], float]:
-        """Send the reduced gradients of this rank's boxes whose copy a peer holds, and receive
-        those of the copies it holds (`Peers`); the received, one per copy, in `Peers.held`
-        order, and the seconds it took (0 without peers)."""
+    def _post_exchange(self, grads: dict[str, list[torch.Tensor]]) -> _Exchange:
+        """Post the sends of the reduced gradients of this rank's boxes whose copy a peer holds,
+        and the receives of those of the copies it holds (`Peers`)."""
         peers, weights = self.weights.peers, self.weights
-        if not peers.sends and not peers.copies:
-            return [], 0.0
         start = time.perf_counter()
+        if not peers.sends and not peers.copies:
+            return _Exchange({}, [], 0.0, peers.copies)
         outgoing = {
             dst: torch.cat([
                 box_view(weights[p.name].boxes, grads[p.name], box).reshape(-1) for p, box in route
@@ -148,14 +178,8 @@ class Optimizer:
             src: torch.empty(sum(volume(box) for _, box in route), device=device)
             for src, route in peers.copies.items()
         }
-        comm.exchange(outgoing, incoming, weights.world.group(Axis.WORLD), device)
-        out: list[torch.Tensor] = []
-        for src, route in peers.copies.items():
-            offset = 0
-            for _, box in route:
-                out.append(incoming[src][offset : offset + volume(box)].view(box_shape(box)))
-                offset += volume(box)
-        return out, time.perf_counter() - start
+        works = comm.post_exchange(outgoing, incoming, weights.world.group(Axis.WORLD), device)
+        return _Exchange(incoming, works, time.perf_counter() - start, peers.copies)
 
     def _apply(
         self, grads: dict[str, list[torch.Tensor]], copies: list[torch.Tensor],
