@@ -73,12 +73,13 @@ def progress(draft: Draft, plan: InFlight) -> None:
         if m not in vanished and _pending_in(a, plan.epoch, pb.Pending.PREPARED)
     ]  # fmt: skip
     # A member says it trains in the new epoch a moment before its account of the switch (the
-    # pause, the bytes) is in its status: the record waits for one account, unless a member
-    # is gone (the survivors' account then waits for the dead epoch's collectives).
-    accounted = [m for m in trained if agents[m].last_switch.epoch == plan.epoch]
+    # pause, the bytes) is in its status: the record waits for one account, unless there is no
+    # switch (a first world: a start, a restore) or a member is gone (the survivors' account
+    # then waits for the dead epoch's collectives).
+    accounts = [agents[m].last_switch for m in trained if agents[m].last_switch.epoch == plan.epoch]
     if trained and not aborted and len(trained) == len(there):
-        if accounted or vanished or overdue:
-            _commit(draft, plan, agents, (accounted or trained)[0])
+        if accounts or plan.old is None or vanished or overdue:
+            _commit(draft, plan, agents, accounts[0] if accounts else None)
         else:
             draft.message = f"epoch {plan.epoch}: every member switched; waiting for an account"
     elif trained and aborted:
@@ -117,12 +118,17 @@ def progress(draft: Draft, plan: InFlight) -> None:
         )
 
 
-def _commit(draft: Draft, plan: InFlight, agents: dict[str, pb.AgentStatus], speaks: str) -> None:
-    speaker = agents[speaks].last_switch
+def _commit(
+    draft: Draft, plan: InFlight, agents: dict[str, pb.AgentStatus],
+    account: pb.SwitchSummary | None,
+) -> None:  # fmt: skip
+    """Record `plan` committed, with a member's `account` of its switch (None: none to give,
+    or none given before a member was lost)."""
     last = Summary.of(
-        plan, Result.COMMITTED, speaker.reason or f"epoch {plan.epoch}: committed",
-        pause_seconds=round(speaker.pause_seconds, 4) if plan.old else 0.0,
-        bytes_moved=int(speaker.network_bytes),
+        plan, Result.COMMITTED,
+        (account.reason if account else "") or f"epoch {plan.epoch}: committed",
+        pause_seconds=round(account.pause_seconds, 4) if account and plan.old else 0.0,
+        bytes_moved=int(account.network_bytes) if account else 0,
     )  # fmt: skip
     # A checkpoint asked for but not saved is asked again: the joiners never had it.
     saved = max((agents[m].last_checkpoint.number for m in plan.new.members if m in agents),

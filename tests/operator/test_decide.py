@@ -404,6 +404,14 @@ CASES: dict[str, Case] = {
         Record(world=W3, in_flight=SHRINK, last_epoch=2), "Reconfiguring",
         message="epoch 2: every member switched; waiting for an account",
     ),
+    "in flight: a restore trains in its epoch: commit, no switch to account for": Case(
+        J2, seen(pod("p0", training(2, last_switch=switch(1, ABORTED, NO_COPY)), role=M),
+                 pod("p1", training(2), role=M)),
+        Record(in_flight=replace(SHRINK, reason="restore from /ck/step-3", old=None),
+               last_epoch=2), "Running",
+        after=["Normal Reconfigured"],
+        changed={"world": SHRINK.new, "in_flight": None},
+    ),
     "in flight: commit a scale down, release and delete who left": Case(
         J2, seen(pod("p0", training(2), role=M),
                  pod("p1", training(2, last_switch=switch(2, COMMITTED, pause_seconds=0.25)),
@@ -552,6 +560,10 @@ def test_the_commit_reports_the_pause_of_a_member_that_gave_its_account() -> Non
     case = CASES["in flight: commit a scale down, release and delete who left"]
     last = decide(case.seen, case.record, case.job, NOW).status["lastReconfiguration"]
     assert last["result"] == "committed" and last["pauseSeconds"] == 0.25
+    # A restore's record takes nothing from an account of an earlier switch.
+    case = CASES["in flight: a restore trains in its epoch: commit, no switch to account for"]
+    last = decide(case.seen, case.record, case.job, NOW).status["lastReconfiguration"]
+    assert last["message"] == "epoch 2: committed" and last["bytesMoved"] == 0, last
 
 
 def test_a_pass_reads_no_clock_and_decides_the_same_twice() -> None:
