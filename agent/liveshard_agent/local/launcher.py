@@ -257,6 +257,8 @@ class Driver:
     def _receive(self, name: str, message: object, done: set[str]) -> None:
         """One message from member `name`'s process: an event of its loop, or its crash."""
         match message:
+            case Refused(command=Prepare.__name__, message=why) if name in self.broke:
+                self._refused_broken(name, why)
             case Crashed(message=why) | Refused(message=why):
                 raise RuntimeError(f"member {name} failed: {why}")
             case Stepped(speaks=speaks, record=record):
@@ -287,6 +289,19 @@ class Driver:
                 self._tell_undecided()
             case _:
                 raise RuntimeError(f"member {name} sent {message!r}, which is no event")
+
+    def _refused_broken(self, name: str, why: str) -> None:
+        """A member whose world broke refused a change: it takes only a recovery or a rebuild,
+        which its break leads to. A change asked before the break was seen here (the next
+        scripted switch, once a commit's account came while the new world broke) is aborted and
+        asked again after it; a refusal of a change already given up is moot."""
+        change = self.pending
+        if change is None or self._recovering():
+            return
+        self._decision(
+            change.epoch, Failure(Cause.PEER_FAILED, f"epoch {change.epoch}: {name}: {why}")
+        )
+        self._postpone()
 
     def _lost(self, process: _Process) -> None:
         """A member's process died: recover without it (and any other member found dead) when it

@@ -188,6 +188,29 @@ def test_a_stopped_member_is_found_silent_killed_and_replaced() -> None:
     assert_same_training("tiny", events)
 
 
+def test_a_switch_asked_while_the_new_world_breaks_is_made_after_the_recovery() -> None:
+    # w1 stops right after the vote of dp=4 -> tp=2,dp=2: the others commit, and their closing
+    # collectives in the new world wait out the op deadline. A member's account of the commit
+    # comes before its break, so the next scripted switch can reach members that take only a
+    # recovery: their refusal aborts it, and it is asked again once w1 is found silent and the
+    # job recovered without it.
+    stopping = job("tiny", "dp=4", "10:tp=2,dp=2", "12:dp=3",
+                   kills=(parse_kill("10:1:commit", Fault.HANG),))  # fmt: skip
+    fast = Deadlines(op=5, switch=10, prepare=30)
+    events = run_job(replace(stopping, config=replace(stopping.config, deadlines=fast)))
+    (silent,) = [e for e in events if e["event"] == "silent"]
+    assert silent["member"] == "w1"
+    first, recovery, scripted = [e for e in switches(events) if e["result"] == "committed"]
+    assert (first["epoch"], first["step"], short(first["to"])) == (
+        1,
+        10,
+        "dp=2,tp=2,pp=1,ep=1,zero=0",
+    )
+    assert recovery["lost"] == ["w1"] and recovery["step"] == 10
+    assert short(scripted["to"]) == "dp=3,tp=1,pp=1,ep=1,zero=0" and scripted["step"] >= 12
+    assert_same_training("tiny", events)
+
+
 @pytest.mark.parametrize("phase", ["step", "update"])
 def test_a_world_broken_everywhere_with_no_member_lost_is_rebuilt_in_its_layout(
     tmp_path: Path, phase: str
