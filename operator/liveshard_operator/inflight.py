@@ -52,6 +52,23 @@ def _gave_up(agent: pb.AgentStatus, epoch: int) -> bool:
     return aborted or _pending_in(agent, epoch, pb.Pending.FAILED)
 
 
+def _refusing(plan: InFlight, agents: dict[str, pb.AgentStatus]) -> list[str]:
+    """The members whose world broke before `plan`'s epoch, when it is neither a recovery nor a
+    rebuild: they take only one of those (the plan was begun before their break was seen, e.g.
+    right after the commit of a world that broke at once), so it can never be made. (One broken
+    in the plan's epoch committed it.)"""
+    old = plan.old
+    if (
+        old is None
+        or plan.lost
+        or (old.degrees, old.members) == (plan.new.degrees, plan.new.members)
+    ):
+        return []
+    return [
+        m for m, a in agents.items() if a.phase == pb.AgentStatus.BROKEN and a.epoch < plan.epoch
+    ]  # fmt: skip
+
+
 def progress(draft: Draft, plan: InFlight) -> None:
     """The next step of `plan`, in flight."""
     pods = draft.seen.pods
@@ -63,6 +80,7 @@ def progress(draft: Draft, plan: InFlight) -> None:
             agents[member] = pod.agent
     trained = [m for m in plan.new.members if m in agents and trains_in(agents[m], plan.epoch)]
     aborted = [m for m, a in agents.items() if _gave_up(a, plan.epoch)]
+    refusing = _refusing(plan, agents)
     vanished = [m for m in union if m not in pods or pods[m].gone]
     overdue = draft.now - plan.started > draft.job.spec.deadlines.total + 60
     there = [m for m in plan.new.members if m not in vanished]
@@ -96,8 +114,10 @@ def progress(draft: Draft, plan: InFlight) -> None:
             f"epoch {plan.epoch}: {', '.join(undecided)} could not read the decision; waiting "
             f"for {', '.join(switching)} to end the switch"
         )
-    elif aborted or vanished or overdue or undecided:
+    elif aborted or refusing or vanished or overdue or undecided:
         why = (f"aborted by {', '.join(aborted)}" if aborted else
+               f"the world of {', '.join(refusing)} broke: only a recovery can follow" if refusing
+               else
                f"lost {', '.join(vanished)}" if vanished else
                f"no member read the decision ({', '.join(undecided)} could not)" if undecided
                else "deadline passed")  # fmt: skip

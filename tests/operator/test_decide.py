@@ -102,6 +102,9 @@ GROW = InFlight(epoch=2, reason="scale 2 -> 3", new=world(J3, ["p0", "p1", "p2"]
 # In flight: 3 -> 2 members (p2 leaves), epoch 2.
 SHRINK = InFlight(epoch=2, reason="scale 3 -> 2", new=world(J2, ["p0", "p1"], 2),
                   store=("10.0.0.0", 7000), started=NOW - 10, old=W3)  # fmt: skip
+# In flight: a rebuild of W2 (every member's world broke, none lost), epoch 2.
+REBUILD = InFlight(epoch=2, reason="rebuild", new=world(J2, ["p0", "p1"], 2),
+                   store=("10.0.0.0", 7000), started=NOW - 10, old=W2)  # fmt: skip
 # In flight: a recovery from the loss of p2, epoch 2.
 RECOVERY = replace(SHRINK, reason="lost p2", lost=("p2",))
 NO_COPY = pb.SwitchSummary.NO_SURVIVING_COPY
@@ -466,6 +469,25 @@ CASES: dict[str, Case] = {
         before=["abort p0 2", "abort p1 2"], after=["Warning ReconfigurationAborted"],
         changed={"in_flight": None, "attempts": 1, "retry_after": NOW + backoff(1)},
         degraded="ReconfigurationAborted",
+    ),
+    "in flight: a member's world broke before it took the change: it never will, abort": Case(
+        J3, seen(pod("p0", broken(1), role=M), pod("p1", training(1, pending=pending(2)), role=M),
+                 pod("p2", standby(pending=pending(2)), role=S)),
+        Record(world=W2, in_flight=GROW, last_epoch=2), "Running",
+        before=["abort p1 2", "abort p2 2"], after=["Warning ReconfigurationAborted"],
+        changed={"in_flight": None, "attempts": 1, "retry_after": NOW + backoff(1)},
+        degraded="ReconfigurationAborted",
+    ),
+    "in flight: a rebuild is what broken members take: wait, preparing them": Case(
+        J3, seen(pod("p0", broken(1, pending=pending(2)), role=M), pod("p1", broken(1), role=M)),
+        Record(world=W2, in_flight=REBUILD, last_epoch=2), "Reconfiguring",
+        after=["prepare p1 2"], message="epoch 2: 0/2 members switched",
+    ),
+    "in flight: a member broke in the change's epoch: it committed, no abort": Case(
+        J3, seen(pod("p0", broken(2), role=M), pod("p1", training(2), role=M),
+                 pod("p2", standby(pending=pending(2)), role=S)),
+        Record(world=W2, in_flight=GROW, last_epoch=2), "Reconfiguring",
+        message="epoch 2: 1/3 members switched",
     ),
     "in flight: overdue (every deadline and a minute passed)": Case(
         J3, seen(pod("p0", training(1, pending=pending(2)), role=M),
