@@ -358,8 +358,8 @@ class Member:
     def request(self, change: Change) -> list[Switched]:
         """Begin preparing `change` in the background (a member of either layout calls this).
         A recovery (a change with lost members, or the same layout again asked of a member whose
-        world broke: a rebuild, after a partition or a timeout) supersedes a pending change: the
-        events of those dropped."""
+        world broke: a rebuild, after a partition or a timeout) supersedes a pending change, as
+        does any later change asked of a member standing by: the events of those dropped."""
         broken = self.broken
         if broken is not None and not change.lost and change.old != change.new:
             raise InvalidInput(
@@ -374,10 +374,12 @@ class Member:
                 "before the decision was read); it must be told the decision first"
             )
         recovery = bool(change.lost) or broken is not None
-        if pending is not None and recovery and change.epoch > pending.change.epoch:
-            superseded.append(
-                self.drop(pending.change.epoch, f"superseded by the recovery epoch {change.epoch}")
-            )
+        # A member standing by holds no state: a later change asked of it means the one it was
+        # to join was given up (one change is in flight at a time), though it was not told.
+        given_up = self.trainer is None
+        if pending is not None and (recovery or given_up) and change.epoch > pending.change.epoch:
+            by = f"the recovery epoch {change.epoch}" if recovery else f"epoch {change.epoch}"
+            superseded.append(self.drop(pending.change.epoch, f"superseded by {by}"))
         if self.pending is not None:
             raise InvalidInput(
                 f"{self.name}: epoch {self.pending.change.epoch} is still pending; "

@@ -162,13 +162,19 @@ class AgentService:
             snapshot = self._serving()
             pending = snapshot.pending
             # A recovery supersedes what is pending here: a change with lost members, or the
-            # rebuild of a broken world in its own layout (none lost: a partition, a timeout).
-            command = order.command
+            # rebuild of a broken world in its own layout (none lost: a partition, a timeout);
+            # so does any later change asked of a member waiting to join one (one change is in
+            # flight at a time: the one it was to join was given up, though it was not told).
+            command, seen = order.command, snapshot.observed
             recovery = isinstance(command, Prepare) and (
                 bool(command.change.lost)
-                or (snapshot.observed.broken and command.change.old == command.change.new)
+                or (seen.broken and command.change.old == command.change.new)
             )
-            if pending is not None and not (recovery and order.epoch > pending.epoch):
+            given_up = (
+                isinstance(command, Prepare) and not seen.training and not seen.broken
+                and (seen.pending is None or seen.pending.state is not PendingState.UNDECIDED)
+            )  # fmt: skip
+            if pending is not None and not ((recovery or given_up) and order.epoch > pending.epoch):
                 if pending.epoch == order.epoch and self.accepted.get(order.epoch) == request:
                     return pb.PrepareResponse()  # a replay of the request in progress
                 raise Refused(
@@ -181,7 +187,6 @@ class AgentService:
                     "epoch number"
                 )
             _after_in_effect(order.epoch, snapshot)
-            seen = snapshot.observed
             if seen.broken and not recovery and order.old is not None:
                 raise Refused(
                     f"{snapshot.message}; only a recovery (a Prepare naming the dead members "

@@ -324,6 +324,31 @@ def test_a_joining_member_whose_store_dies_gives_the_change_up(tmp_path: Path) -
         assert status.phase == Phase.STANDBY and not status.HasField("pending")
 
 
+def test_a_member_waiting_to_join_a_change_given_up_untold_takes_the_next(tmp_path: Path) -> None:
+    """2 agent processes: a1 is asked to join a0's world in epoch 1, which a0 never is (an
+    operator gave it up and its Abort to a1 was lost): epoch 2, asked of both, supersedes it at
+    a1 and commits. A member that trains still refuses a change while another is pending."""
+    with agents(["a0", "a1"], tmp_path) as started:
+        a0, a1 = started["a0"], started["a1"]
+        first = layout(["a0"])
+        a0.call("Prepare", pb.PrepareRequest(epoch=0, store=host_store(a0, 0), to=first))
+        trains(a0, 1)
+        grown = layout(["a0", "a1"], dp=2)
+        a1.call("Prepare", change(1, host_store(a0, 1), first, grown, at_step=-1))
+        assert a1.status().pending.epoch == 1  # preparing: a0 never comes
+        prepare([a0, a1], change(2, host_store(a0, 2), first, grown, at_step=-1))
+        status = a1.wait_for("epoch 1 given up", lambda s: s.last_switch.epoch == 1)
+        assert status.last_switch.result == pb.SwitchSummary.ABORTED
+        assert "superseded by epoch 2" in status.last_switch.reason
+        err = a0.refused("Prepare", change(3, host_store(a0, 3), first, grown, at_step=-1))
+        assert err.code() == Code.FAILED_PRECONDITION and "epoch 2 is pending" in str(err.details())
+        for agent in (a0, a1):
+            agent.wait_for("epoch 2 prepared", lambda s: s.pending.state == pb.Pending.PREPARED)
+            agent.call("Switch", pb.SwitchRequest(epoch=2, at_step=0))
+        for status in switched([a0, a1], 2):
+            assert status.layout == grown and status.phase == Phase.TRAINING
+
+
 def test_a_world_broken_everywhere_without_a_death_is_rebuilt_in_its_layout(
     tmp_path: Path,
 ) -> None:
