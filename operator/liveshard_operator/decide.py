@@ -275,12 +275,20 @@ def _suspend(draft: Draft) -> bool:
         return False
     speaker = agents[0]
     assert speaker is not None
+    saved = [a.last_checkpoint for a in agents if a is not None]
+    taken = max(c.number for c in saved)
     saving = record.suspended
-    if saving is None or saving.saved:  # none yet, or one the job resumed from
-        number = max(record.checkpoint_asked, speaker.last_checkpoint.number) + 1
+    # None yet, one the job resumed from, or one whose number another checkpoint took (a
+    # periodic one asked before a joiner came, asked again and saved since: the record's
+    # count of checkpoints asked went back to the one saved when the joiner came).
+    if (
+        saving is None
+        or saving.saved
+        or (taken >= saving.number and all(c.path != saving.path for c in saved))
+    ):
+        number = max(record.checkpoint_asked, taken) + 1
         saving = Suspension(number, _checkpoint_dir(draft, f"suspend-{number}"))
         draft.record = replace(record, suspended=saving)
-    saved = [a.last_checkpoint for a in agents if a is not None]
     if all(c.number >= saving.number for c in saved) and saved[0].path == saving.path:
         step = int(saved[0].step)
         draft.record = replace(draft.record, world=None, suspended=replace(saving, step=step))

@@ -116,9 +116,9 @@ def progress(draft: Draft, plan: InFlight) -> None:
         )
     elif aborted or refusing or vanished or overdue or undecided:
         why = (f"aborted by {', '.join(aborted)}" if aborted else
+               f"lost {', '.join(vanished)}" if vanished else
                f"the world of {', '.join(refusing)} broke: only a recovery can follow" if refusing
                else
-               f"lost {', '.join(vanished)}" if vanished else
                f"no member read the decision ({', '.join(undecided)} could not)" if undecided
                else "deadline passed")  # fmt: skip
         detail = next((agents[m].last_switch.reason or agents[m].pending.reason

@@ -278,6 +278,14 @@ CASES: dict[str, Case] = {
         SUSPEND, seen(*TRAINING3), Record(world=W3, checkpoint_asked=1, suspended=SAVING),
         "Running", message="suspending",
     ),
+    "suspend: its number taken by a periodic checkpoint saved meanwhile: the next number": Case(
+        SUSPEND,
+        seen(*(pod(m, training(1, last_checkpoint=checkpoint(1, 9, "/ck/step-9")), role=M)
+               for m in ("p0", "p1", "p2"))),
+        Record(world=W3, checkpoint_asked=0, suspended=SAVING), "Running",
+        ask="checkpoint 2 at 10 in /ck/suspend-2 on p0,p1,p2", message="suspending",
+        changed={"suspended": Suspension(2, "/ck/suspend-2")},
+    ),
     "suspend: saved by every member: leave the world, release every pod": Case(
         SUSPEND,
         seen(*(pod(m, training(1, step=12, last_checkpoint=checkpoint(1, 12, "/ck/suspend-1")),
