@@ -279,8 +279,7 @@ def _suspend(draft: Draft) -> bool:
     taken = max(c.number for c in saved)
     saving = record.suspended
     # None yet, one the job resumed from, or one whose number another checkpoint took (a
-    # periodic one asked before a joiner came, asked again and saved since: the record's
-    # count of checkpoints asked went back to the one saved when the joiner came).
+    # periodic one, asked by a pass whose record this one did not see yet, saved since).
     if (
         saving is None
         or saving.saved

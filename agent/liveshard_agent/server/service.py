@@ -163,7 +163,7 @@ class AgentService:
             pending = snapshot.pending
             # A recovery supersedes what is pending here: a change with lost members, or the
             # rebuild of a broken world in its own layout (none lost: a partition, a timeout);
-            # so does any later change asked of a member waiting to join one (one change is in
+            # so does any later change asked of a member that does not train (one change is in
             # flight at a time: the one it was to join was given up, though it was not told).
             command, seen = order.command, snapshot.observed
             recovery = isinstance(command, Prepare) and (
