@@ -3,8 +3,10 @@ which outlives the agents that reported it, so that a restore after every agent 
 where to start from; and the last one that failed (`status.checkpointFailure`), while no later one
 was saved.
 
-Each pass takes the newest of what its status holds and what the agents now report (the
-checkpoint numbers rise over the job's life); `time` is when the operator first saw it. A failed
+Each pass takes the newest of what its status holds and what the agents now report: the one of
+the latest step, then of the highest number (a suspension takes the next number, which a periodic
+checkpoint of a later step takes again after the resume: the numbers follow the step); `time` is
+when the operator first saw it. A failed
 checkpoint is not asked again: the next one is, at the next period; a suspension's, after
 RETRY_SECONDS (`decide`).
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 from .conditions import stamp
 from .observation import Job, Observation
@@ -72,13 +74,26 @@ class Failed:
         return f"checkpoint {self.number} of step {self.step} to {self.path} failed: {self.reason}"
 
 
+class _Numbered(Protocol):
+    @property
+    def number(self) -> int: ...
+    @property
+    def step(self) -> int: ...
+
+
+def _newer(one: _Numbered, other: _Numbered) -> bool:
+    """Whether checkpoint `one` is newer than `other`: of a later step, or of the same step and
+    a higher number."""
+    return (int(one.step), int(one.number)) > (int(other.step), int(other.number))
+
+
 def last_saved(job: Job, seen: Observation, now: float) -> Saved | None:
     """The newest checkpoint saved: the status's, or a newer one an agent reports."""
     kept = job.status.get("lastCheckpoint")
     best = Saved.from_dict(kept) if kept else None
     for pod in seen.pods.values():
         saved = pod.agent.last_checkpoint if pod.agent is not None else None
-        if saved is not None and saved.path and (best is None or saved.number > best.number):
+        if saved is not None and saved.path and (best is None or _newer(saved, best)):
             best = Saved(int(saved.number), saved.path, int(saved.step), stamp(now))
     return best
 
@@ -89,11 +104,11 @@ def last_failed(job: Job, seen: Observation, now: float) -> Failed | None:
     best = Failed.from_dict(kept) if kept else None
     for pod in seen.pods.values():
         failed = pod.agent.failed_checkpoint if pod.agent is not None else None
-        if failed is not None and failed.error and (best is None or failed.number > best.number):
+        if failed is not None and failed.error and (best is None or _newer(failed, best)):
             best = Failed(int(failed.number), failed.path, int(failed.step), failed.error,
                           stamp(now))  # fmt: skip
     saved = last_saved(job, seen, now)
-    if best is None or (saved is not None and saved.number >= best.number):
+    if best is None or (saved is not None and not _newer(best, saved)):
         return None
     return best
 
@@ -102,7 +117,7 @@ def newly_failed(job: Job, seen: Observation, now: float) -> Failed | None:
     """A failure the status does not hold yet: the pass that sees it says so once."""
     failed = last_failed(job, seen, now)
     kept = job.status.get("checkpointFailure")
-    if failed is None or (kept and int(kept["number"]) >= failed.number):
+    if failed is None or (kept and not _newer(failed, Failed.from_dict(kept))):
         return None
     return failed
 

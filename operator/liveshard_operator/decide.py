@@ -285,8 +285,7 @@ def _suspend(draft: Draft) -> bool:
         or saving.saved
         or (taken >= saving.number and all(c.path != saving.path for c in saved))
     ):
-        number = max(record.checkpoint_asked, taken) + 1
-        saving = Suspension(number, _checkpoint_dir(draft, f"suspend-{number}"))
+        saving = _suspension(draft, world, max(record.checkpoint_asked, taken) + 1)
         draft.record = replace(record, suspended=saving)
     if all(c.number >= saving.number for c in saved) and saved[0].path == saving.path:
         step = int(saved[0].step)
@@ -303,12 +302,18 @@ def _suspend(draft: Draft) -> bool:
         if wait > 0:
             draft.message = f"suspending: {failed.describe()}; asking again in {wait:.0f} s"
             return True
-        number = max(record.checkpoint_asked, failed.number) + 1
-        saving = Suspension(number, _checkpoint_dir(draft, f"suspend-{number}"))
+        saving = _suspension(draft, world, max(record.checkpoint_asked, failed.number) + 1)
         draft.record = replace(draft.record, suspended=saving)
     if record.checkpoint_asked < saving.number:
         draft.ask = Checkpoint(world.members, saving.number, saving.path, int(speaker.step))
     return True
+
+
+def _suspension(draft: Draft, world: World, number: int) -> Suspension:
+    """A suspension saved as checkpoint `number` of `world`. Its directory names the epoch too:
+    the periodic checkpoints' numbers follow the step, so one after a resume can take the same
+    number again; an epoch is never taken twice."""
+    return Suspension(number, _checkpoint_dir(draft, f"suspend-{world.epoch}-{number}"))
 
 
 # ---- capacity as it lands ----

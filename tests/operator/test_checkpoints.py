@@ -135,10 +135,10 @@ def test_a_checkpoint_saved_after_a_failed_one_clears_the_failure() -> None:
 
 def test_a_suspension_whose_checkpoint_failed_asks_again_after_a_while() -> None:
     suspending = job(3, checkpoint={"path": "/ck"}, suspend=True)
-    saving = Suspension(1, "/ck/suspend-1")
-    pods = seen(*members(12, failed_checkpoint=failed(1, 12, "/ck/suspend-1", REASON)))
+    saving = Suspension(1, "/ck/suspend-1-1")
+    pods = seen(*members(12, failed_checkpoint=failed(1, 12, "/ck/suspend-1-1", REASON)))
     record = Record(world=W3, checkpoint_asked=1, suspended=saving)
-    seen_at = {"number": 1, "path": "/ck/suspend-1", "step": 12, "reason": REASON,
+    seen_at = {"number": 1, "path": "/ck/suspend-1-1", "step": 12, "reason": REASON,
                "time": stamp(NOW - 10)}  # fmt: skip
     the_job = with_status(suspending, checkpointFailure=seen_at)
     waiting = decide(pods, record, the_job, NOW)
@@ -146,8 +146,8 @@ def test_a_suspension_whose_checkpoint_failed_asks_again_after_a_while() -> None
     ready = next(c for c in waiting.status["conditions"] if c["type"] == "Ready")
     assert f"asking again in {RETRY_SECONDS - 10:.0f} s" in ready["message"]
     later = decide(pods, record, the_job, NOW + RETRY_SECONDS)
-    assert later.record.suspended == Suspension(2, "/ck/suspend-2")
-    assert later.ask == Checkpoint(("p0", "p1", "p2"), 2, "/ck/suspend-2", 12)
+    assert later.record.suspended == Suspension(2, "/ck/suspend-1-2")
+    assert later.ask == Checkpoint(("p0", "p1", "p2"), 2, "/ck/suspend-1-2", 12)
 
 
 def test_a_failed_last_checkpoint_ends_the_job_unexported_saying_why() -> None:
@@ -162,3 +162,35 @@ def test_a_failed_last_checkpoint_ends_the_job_unexported_saying_why() -> None:
         f"trained 100 steps; not exported to /hf: checkpoint 1 of step 100 to /ck/step-100 "
         f"failed: {REASON}"
     )
+
+
+def test_after_a_resume_a_checkpoint_of_a_later_step_is_the_last_whatever_its_number() -> None:
+    """A suspension took number 4 at step 13, ahead of the periodic ones (numbers follow the
+    step: 4 is step 20's). After the resume, step 15's (number 3) and step 20's (number 4
+    again) are newer, and so is a failure of step 20's."""
+    suspended = {"number": 4, "path": "/ck/suspend-1-4", "step": 13, "time": stamp(NOW - 60)}
+    kept = with_status(PERIODIC, lastCheckpoint=suspended)
+    resumed = world(PERIODIC, ["p0", "p1", "p2"], 2)
+    for number, step in ((3, 15), (4, 20)):
+        saved = checkpoint(number, step, f"/ck/step-{step}")
+        pods = seen(*members(step + 1, last_checkpoint=saved))
+        status = decide(pods, Record(world=resumed, checkpoint_asked=number), kept, NOW).status
+        assert status["lastCheckpoint"] == {"number": number, "path": f"/ck/step-{step}",
+                                            "step": step, "time": stamp(NOW)}  # fmt: skip
+    lost = seen(*members(21, failed_checkpoint=failed(4, 20, "/ck/step-20", REASON)))
+    decision = decide(lost, Record(world=resumed, checkpoint_asked=4), kept, NOW)
+    assert decision.status["lastCheckpoint"] == suspended
+    assert decision.status["checkpointFailure"]["step"] == 20
+    assert any(e.reason == "CheckpointFailed" for e in decision.after)
+
+
+def test_a_second_suspension_never_takes_the_directory_of_the_first() -> None:
+    """Suspended in epoch 1 as number 4, resumed in epoch 2: the periodic numbers reach 3
+    again, and the next suspension, number 4 again, is saved beside the first."""
+    suspending = job(3, checkpoint={"path": "/ck", "everySteps": 5}, suspend=True)
+    resumed = world(suspending, ["p0", "p1", "p2"], 2)
+    pods = seen(*members(16, last_checkpoint=checkpoint(3, 15, "/ck/step-15")))
+    decision = decide(pods, Record(world=resumed, last_epoch=2, checkpoint_asked=3), suspending,
+                      NOW)  # fmt: skip
+    assert decision.record.suspended == Suspension(4, "/ck/suspend-2-4")
+    assert decision.ask == Checkpoint(("p0", "p1", "p2"), 4, "/ck/suspend-2-4", 16)

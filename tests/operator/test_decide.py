@@ -110,7 +110,7 @@ RECOVERY = replace(SHRINK, reason="lost p2", lost=("p2",))
 NO_COPY = pb.SwitchSummary.NO_SURVIVING_COPY
 SUSPEND = job(3, checkpoint={"path": "/ck/"}, suspend=True)
 RESUME = job(2, checkpoint={"path": "/ck/"})
-SAVING = Suspension(1, "/ck/suspend-1")  # asked of the members, not saved yet
+SAVING = Suspension(1, "/ck/suspend-1-1")  # asked of the members, not saved yet
 SAVED = replace(SAVING, step=12)
 UNSCHEDULABLE = "Unschedulable: 0/3 nodes are available: 3 node(s) were unschedulable."
 OOM = "container agent: OOMKilled, exit code 137"
@@ -266,13 +266,13 @@ CASES: dict[str, Case] = {
     # ---- suspension ----
     "suspend: every member trains, ask for a checkpoint at their step": Case(
         SUSPEND, seen(*TRAINING3), Record(world=W3), "Running",
-        ask="checkpoint 1 at 10 in /ck/suspend-1 on p0,p1,p2", message="suspending",
+        ask="checkpoint 1 at 10 in /ck/suspend-1-1 on p0,p1,p2", message="suspending",
         changed={"suspended": SAVING},
     ),
     "suspend again after a resume: a new checkpoint": Case(
         SUSPEND, seen(*TRAINING3), Record(world=W3, checkpoint_asked=1, suspended=SAVED),
-        "Running", ask="checkpoint 2 at 10 in /ck/suspend-2 on p0,p1,p2",
-        changed={"suspended": Suspension(2, "/ck/suspend-2")},
+        "Running", ask="checkpoint 2 at 10 in /ck/suspend-1-2 on p0,p1,p2",
+        changed={"suspended": Suspension(2, "/ck/suspend-1-2")},
     ),
     "suspend: asked, not saved yet: wait": Case(
         SUSPEND, seen(*TRAINING3), Record(world=W3, checkpoint_asked=1, suspended=SAVING),
@@ -283,12 +283,12 @@ CASES: dict[str, Case] = {
         seen(*(pod(m, training(1, last_checkpoint=checkpoint(1, 9, "/ck/step-9")), role=M)
                for m in ("p0", "p1", "p2"))),
         Record(world=W3, checkpoint_asked=0, suspended=SAVING), "Running",
-        ask="checkpoint 2 at 10 in /ck/suspend-2 on p0,p1,p2", message="suspending",
-        changed={"suspended": Suspension(2, "/ck/suspend-2")},
+        ask="checkpoint 2 at 10 in /ck/suspend-1-2 on p0,p1,p2", message="suspending",
+        changed={"suspended": Suspension(2, "/ck/suspend-1-2")},
     ),
     "suspend: saved by every member: leave the world, release every pod": Case(
         SUSPEND,
-        seen(*(pod(m, training(1, step=12, last_checkpoint=checkpoint(1, 12, "/ck/suspend-1")),
+        seen(*(pod(m, training(1, step=12, last_checkpoint=checkpoint(1, 12, "/ck/suspend-1-1")),
                    role=M) for m in ("p0", "p1", "p2"))),
         Record(world=W3, checkpoint_asked=1, suspended=SAVING), "Suspended",
         after=["release p2 saved 1", "delete p2", "release p1 saved 1", "delete p1",
@@ -307,7 +307,7 @@ CASES: dict[str, Case] = {
     "resume: a first world from the suspension's checkpoint, in the layout the pods allow": Case(
         RESUME, seen(pod("p3", standby()), pod("p4", standby())),
         Record(last_epoch=1, suspended=SAVED), "Pending",
-        ask="begin 2 on p3: p3,p4 resume from /ck/suspend-1 (step 12); start with",
+        ask="begin 2 on p3: p3,p4 resume from /ck/suspend-1-1 (step 12); start with",
     ),
     "resumed: the suspension is owed no more": Case(
         job(3, checkpoint={"path": "/ck/"}), seen(*TRAINING3),
@@ -933,13 +933,13 @@ def test_a_suspended_job_shows_its_step_and_resumes_from_its_checkpoint() -> Non
     assert status["step"] == 12 and status["replicas"] == 0
     suspended = condition(status, "Suspended")
     assert (suspended["status"], suspended["reason"]) == ("True", "JobSuspended")
-    assert suspended["message"] == "the state of step 12 is saved in /ck/suspend-1"
+    assert suspended["message"] == "the state of step 12 is saved in /ck/suspend-1-1"
     resume = CASES[
         "resume: a first world from the suspension's checkpoint, in the layout the pods allow"
     ]
     body = {**resume.job.body, "status": status}
     decision = decide(resume.seen, resume.record, replace(resume.job, body=body), NOW)
-    assert isinstance(decision.ask, Begin) and decision.ask.plan.restore == "/ck/suspend-1"
+    assert isinstance(decision.ask, Begin) and decision.ask.plan.restore == "/ck/suspend-1-1"
     resumed = condition(decision.status, "Suspended")
     assert (resumed["status"], resumed["reason"]) == ("False", "JobResumed")
 
