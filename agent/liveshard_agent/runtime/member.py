@@ -373,13 +373,11 @@ class Member:
                 f"{self.name}: epoch {pending.change.epoch} is undecided here (its store failed "
                 "before the decision was read); it must be told the decision first"
             )
-        recovery = bool(change.lost) or broken is not None
-        # A member standing by holds no state: a later change asked of it means the one it was
-        # to join was given up (one change is in flight at a time), though it was not told.
-        given_up = self.trainer is None
-        if pending is not None and (recovery or given_up) and change.epoch > pending.change.epoch:
-            by = f"the recovery epoch {change.epoch}" if recovery else f"epoch {change.epoch}"
-            superseded.append(self.drop(pending.change.epoch, f"superseded by {by}"))
+        if pending is not None:
+            by = superseding(change, pending.change.epoch, training=self.trainer is not None,
+                             broken=broken is not None, undecided=False)  # fmt: skip
+            if by:
+                superseded.append(self.drop(pending.change.epoch, f"superseded by {by}"))
         if self.pending is not None:
             raise InvalidInput(
                 f"{self.name}: epoch {self.pending.change.epoch} is still pending; "
@@ -638,3 +636,21 @@ class Member:
 
     def _max_over_world(self, seconds: float) -> float:
         return max_over_world(self.trainer.world if self.trainer is not None else None, seconds)
+
+
+def superseding(change: Change, pending: int, *, training: bool, broken: bool,
+                undecided: bool) -> str:  # fmt: skip
+    """What `change` is, named, when it supersedes epoch `pending`, pending at a member that
+    trains or not, whose world broke or not, which must be told `pending`'s decision or not;
+    "" when it does not. A later recovery supersedes a pending change: a change with lost
+    members, or the rebuild of a broken world in its own layout (none lost: a partition, a
+    timeout). So does any later change asked of a member that does not train: one change is in
+    flight at a time, so the one it was to join was given up, though it was not told (unless it
+    must be told a decision: then it waits for it)."""
+    if change.epoch <= pending:
+        return ""
+    if change.lost or (broken and change.old == change.new):
+        return f"the recovery epoch {change.epoch}"
+    if not training and not broken and not undecided:
+        return f"epoch {change.epoch}"
+    return ""

@@ -29,6 +29,7 @@ from liveshard_core.layout.layout import Layout
 from ..engine.record import ContextLogger, context_logger
 from ..engine.world import StoreAddress
 from ..runtime.loop import CheckpointAt, Drop, Prepare, Start, Stop, SwitchAt
+from ..runtime.member import superseding
 from . import requests
 from .certs import ServingCertificate
 from .errors import NotNow, Overtaken, Refused
@@ -161,20 +162,15 @@ class AgentService:
         with self._lock:
             snapshot = self._serving()
             pending = snapshot.pending
-            # A recovery supersedes what is pending here: a change with lost members, or the
-            # rebuild of a broken world in its own layout (none lost: a partition, a timeout);
-            # so does any later change asked of a member that does not train (one change is in
-            # flight at a time: the one it was to join was given up, though it was not told).
             command, seen = order.command, snapshot.observed
             recovery = isinstance(command, Prepare) and (
                 bool(command.change.lost)
                 or (seen.broken and command.change.old == command.change.new)
             )
-            given_up = (
-                isinstance(command, Prepare) and not seen.training and not seen.broken
-                and (seen.pending is None or seen.pending.state is not PendingState.UNDECIDED)
-            )  # fmt: skip
-            if pending is not None and not ((recovery or given_up) and order.epoch > pending.epoch):
+            if pending is not None and not (isinstance(command, Prepare) and superseding(
+                command.change, pending.epoch, training=seen.training, broken=seen.broken,
+                undecided=pending.state is PendingState.UNDECIDED,
+            )):  # fmt: skip
                 if pending.epoch == order.epoch and self.accepted.get(order.epoch) == request:
                     return pb.PrepareResponse()  # a replay of the request in progress
                 raise Refused(

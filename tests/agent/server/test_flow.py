@@ -334,7 +334,9 @@ def test_a_member_waiting_to_join_a_change_given_up_untold_takes_the_next(tmp_pa
         a0.call("Prepare", pb.PrepareRequest(epoch=0, store=host_store(a0, 0), to=first))
         trains(a0, 1)
         grown = layout(["a0", "a1"], dp=2)
-        a1.call("Prepare", change(1, host_store(a0, 1), first, grown, at_step=-1))
+        # Epoch 1's store on a1: a0 frees its stores of epochs it has no part in when asked for
+        # epoch 2's, which a1 could still be connecting to (then it never has epoch 1 to drop).
+        a1.call("Prepare", change(1, host_store(a1, 1), first, grown, at_step=-1))
         assert a1.status().pending.epoch == 1  # preparing: a0 never comes
         prepare([a0, a1], change(2, host_store(a0, 2), first, grown, at_step=-1))
         status = a1.wait_for("epoch 1 given up", lambda s: s.last_switch.epoch == 1)
