@@ -140,14 +140,32 @@ class Kube:
         set_heartbeat(self.info.run_dir, node, enabled)
 
 
+def member_pids(supervisor: int) -> dict[str, int]:
+    """The live member processes of a pod of several members, by member: the children of its
+    supervisor `supervisor`, named by their command lines (`--member NAME`; a zombie's is empty).
+    """
+    found = {}
+    for pid in Path(f"/proc/{supervisor}/task/{supervisor}/children").read_text().split():
+        try:
+            words = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        except FileNotFoundError:
+            continue
+        if "--member" in words:
+            last = max(i for i, word in enumerate(words) if word == "--member")
+            found[words[last + 1]] = int(pid)
+    return found
+
+
 def member_pid(pod: dict[str, Any], member: str) -> int:
-    """The process of `member` in a pod of several members on the local cluster: a child of the
-    pod's supervisor, the container's process (`process://PID`)."""
-    supervisor = pod["status"]["containerStatuses"][0]["containerID"].removeprefix("process://")
-    for child in Path(f"/proc/{supervisor}/task/{supervisor}/children").read_text().split():
-        if member in Path(f"/proc/{child}/cmdline").read_bytes().decode().split("\0"):
-            return int(child)
-    raise LookupError(f"no process of {member} under the supervisor {supervisor}")
+    """The process of `member` in a pod of several members on the local cluster (its
+    supervisor is the container's process, `process://PID`)."""
+    supervisor = int(
+        pod["status"]["containerStatuses"][0]["containerID"].removeprefix("process://")
+    )
+    pids = member_pids(supervisor)
+    if member not in pids:
+        raise LookupError(f"no process of {member} under the supervisor {supervisor}")
+    return pids[member]
 
 
 def running(pod: dict[str, Any]) -> bool:

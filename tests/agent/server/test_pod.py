@@ -29,6 +29,7 @@ from liveshard.v1 import agent_pb2_grpc as pb_grpc
 from liveshard_agent.server.config import TLS_VARIABLES, ConfigError, load
 from liveshard_agent.server.pod import PodMember, member_env
 from liveshard_core.job import MEMBER_KEY
+from liveshard_e2e.testing import member_pids
 
 from .agents import AGENT, HOST, TOKEN, WAIT, Agent, agent_env
 
@@ -91,25 +92,8 @@ def assert_port_opens_once_members_serve(pod: Agent) -> None:
         assert status.member == member
 
 
-def member_pids(pod: Agent) -> dict[str, int]:
-    """The supervisor's live children by member, read from their command lines (a zombie's is
-    empty)."""
-    path = Path(f"/proc/{pod.proc.pid}/task/{pod.proc.pid}/children")
-    found = {}
-    for pid in path.read_text().split():
-        try:
-            words = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-        except FileNotFoundError:
-            continue
-        if "--member" not in words:
-            continue
-        last = max(i for i, word in enumerate(words) if word == "--member")
-        found[words[last + 1]] = int(pid)
-    return found
-
-
 def close(pod: Agent) -> None:
-    for pid in member_pids(pod).values() if pod.proc.poll() is None else ():
+    for pid in member_pids(pod.proc.pid).values() if pod.proc.poll() is None else ():
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     pod.close()
@@ -132,7 +116,7 @@ def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent]:
 def test_each_member_answers_through_the_pods_port(pod: Agent) -> None:
     """The shared pod (1): its members' own statuses and streams; a call naming no member, an
     unknown one, or carrying no token is refused."""
-    assert set(member_pids(pod)) == set(MEMBERS)
+    assert set(member_pids(pod.proc.pid)) == set(MEMBERS)
     for member in MEMBERS:
         status = pod.call("GetStatus", pb.GetStatusRequest(), metadata=metadata(member))
         assert status.member == member and status.ready
@@ -187,7 +171,7 @@ def test_sigterm_reaches_every_member_and_a_member_that_dies_ends_the_pod(pod: A
     for member in MEMBERS:
         route(pod, member)
         pod.wait_for("terminating", lambda s: s.terminating)
-    pids = member_pids(pod)
+    pids = member_pids(pod.proc.pid)
     os.kill(pids[MEMBERS[1]], signal.SIGKILL)
     assert pod.wait_exit() == 128 + signal.SIGKILL, pod.output()
     assert not any(Path(f"/proc/{pid}").exists() for pid in pids.values())
