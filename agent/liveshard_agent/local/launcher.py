@@ -271,7 +271,8 @@ class Driver:
                 if isinstance(message, Checkpointed):
                     self.saved = message
                 self.emit(output.checkpoint_line(message))
-            case Broke():
+            case Broke(epoch=epoch):
+                self._adopt_broken(epoch)
                 self.broke.setdefault(name, time.monotonic())
                 self.emit(output.broken_line(message))
                 self._rebuild()
@@ -289,6 +290,16 @@ class Driver:
                 self._tell_undecided()
             case _:
                 raise RuntimeError(f"member {name} sent {message!r}, which is no event")
+
+    def _adopt_broken(self, epoch: int) -> None:
+        """A member's world of `epoch` broke: if that is the pending change's, the change
+        committed, though the account that speaks for it may never come (its member is the one
+        stopped): its new layout is the one in effect, whose members' breaks and silence count
+        (not the old layout's, whose leaving members are done and say nothing more)."""
+        change = self.pending
+        if change is not None and change.epoch == epoch:
+            self._adopt(change)
+            self._say_adopted(change)
 
     def _refused_broken(self, name: str, why: str) -> None:
         """A member whose world broke refused a change: it takes only a recovery or a rebuild,

@@ -211,6 +211,21 @@ def test_a_switch_asked_while_the_new_world_breaks_is_made_after_the_recovery() 
     assert_same_training("tiny", events)
 
 
+def test_a_shrink_whose_speaker_stops_at_the_commit_recovers_without_its_leaving_members() -> None:
+    # w0, which speaks for the new world, stops right after the vote of dp=4 -> dp=2: the
+    # others commit, w2 and w3 leave (they say so and say nothing more) and w1's new world
+    # breaks. The account that speaks for the commit never comes: w1's break says it committed,
+    # so only w0 is found silent, and the job recovers without it, not without w2 and w3.
+    stopping = job("tiny", "dp=4", "10:dp=2", kills=(parse_kill("10:0:commit", Fault.HANG),))
+    fast = Deadlines(op=5, switch=10, prepare=30)
+    events = run_job(replace(stopping, config=replace(stopping.config, deadlines=fast)))
+    assert [e["member"] for e in events if e["event"] in ("silent", "lost")] == ["w0", "w0"]
+    shrink, recovery = [e for e in switches(events) if e["result"] == "committed"]
+    assert short(shrink["to"]) == "dp=2,tp=1,pp=1,ep=1,zero=0" and shrink["step"] == 10
+    assert recovery["lost"] == ["w0"] and recovery["step"] == 10
+    assert_same_training("tiny", events)
+
+
 @pytest.mark.parametrize("phase", ["step", "update"])
 def test_a_world_broken_everywhere_with_no_member_lost_is_rebuilt_in_its_layout(
     tmp_path: Path, phase: str
