@@ -361,7 +361,7 @@ class Member:
         world broke: a rebuild, after a partition or a timeout) supersedes a pending change, as
         does any later change asked of a member standing by: the events of those dropped."""
         broken = self.broken
-        if broken is not None and not change.lost and change.old != change.new:
+        if broken is not None and not recovers(change, broken=True):
             raise InvalidInput(
                 f"{self.name}: the world broke at step {broken.step} ({broken.reason}); only a "
                 "recovery (a change with lost members, or the same layout again) can follow"
@@ -638,18 +638,24 @@ class Member:
         return max_over_world(self.trainer.world if self.trainer is not None else None, seconds)
 
 
+def recovers(change: Change, *, broken: bool) -> bool:
+    """Whether `change`, asked of a member whose world broke or not, is a recovery: a change
+    with lost members, or the rebuild of a broken world in its own layout (none lost: a
+    partition, a timeout). A member whose world broke takes nothing else."""
+    return bool(change.lost) or (broken and change.old == change.new)
+
+
 def superseding(change: Change, pending: int, *, training: bool, broken: bool,
                 undecided: bool) -> str:  # fmt: skip
     """What `change` is, named, when it supersedes epoch `pending`, pending at a member that
     trains or not, whose world broke or not, which must be told `pending`'s decision or not;
-    "" when it does not. A later recovery supersedes a pending change: a change with lost
-    members, or the rebuild of a broken world in its own layout (none lost: a partition, a
-    timeout). So does any later change asked of a member that does not train: one change is in
-    flight at a time, so the one it was to join was given up, though it was not told (unless it
-    must be told a decision: then it waits for it)."""
+    "" when it does not. A later recovery (`recovers`) supersedes a pending change. So does any
+    later change asked of a member that does not train: one change is in flight at a time, so
+    the one it was to join was given up, though it was not told (unless it must be told a
+    decision: then it waits for it)."""
     if change.epoch <= pending:
         return ""
-    if change.lost or (broken and change.old == change.new):
+    if recovers(change, broken=broken):
         return f"the recovery epoch {change.epoch}"
     if not training and not broken and not undecided:
         return f"epoch {change.epoch}"

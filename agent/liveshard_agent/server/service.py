@@ -29,7 +29,7 @@ from liveshard_core.layout.layout import Layout
 from ..engine.record import ContextLogger, context_logger
 from ..engine.world import StoreAddress
 from ..runtime.loop import CheckpointAt, Drop, Prepare, Start, Stop, SwitchAt
-from ..runtime.member import superseding
+from ..runtime.member import recovers, superseding
 from . import requests
 from .certs import ServingCertificate
 from .errors import NotNow, Overtaken, Refused
@@ -163,10 +163,7 @@ class AgentService:
             snapshot = self._serving()
             pending = snapshot.pending
             command, seen = order.command, snapshot.observed
-            recovery = isinstance(command, Prepare) and (
-                bool(command.change.lost)
-                or (seen.broken and command.change.old == command.change.new)
-            )
+            recovery = isinstance(command, Prepare) and recovers(command.change, broken=seen.broken)
             if pending is not None and not (isinstance(command, Prepare) and superseding(
                 command.change, pending.epoch, training=seen.training, broken=seen.broken,
                 undecided=pending.state is PendingState.UNDECIDED,
