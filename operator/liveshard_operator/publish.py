@@ -146,9 +146,11 @@ def status(
         speaker = pods.get(world.members[0])
         if speaker is not None and speaker.agent is not None:
             out["step"] = int(speaker.agent.step)
-            out["loss"] = round(float(speaker.agent.loss), 6)
-            if trains_in(speaker.agent, world.epoch):
-                progress = _progress(job, world, speaker.agent, now)
+            loss = _loss(world, seen)
+            if loss is not None:
+                out["loss"] = loss
+            if trains_in(speaker.agent, world.epoch) and loss is not None:
+                progress = _progress(job, world, speaker.agent, loss, now)
                 if progress is not None:
                     out["progress"] = progress
         out.update(epoch=world.epoch, layout=world.describe(), members=list(world.members))
@@ -237,15 +239,26 @@ def _history(job: Job, out: dict[str, Any], now: float) -> list[dict[str, Any]]:
     return [*history, entry][-HISTORY:]
 
 
+def _loss(world: World, seen: Observation) -> float | None:
+    """The loss of the last step trained, as the first member of `world` that trained one
+    reports it (None: none did yet). A member that joined in this world reports none until its
+    first step, and its 0 would read as a fall of the loss."""
+    for member in world.members:
+        pod = seen.pods.get(member)
+        if pod is not None and pod.agent is not None and pod.agent.loss:
+            return round(float(pod.agent.loss), 6)
+    return None
+
+
 def _progress(
-    job: Job, world: World, speaker: pb.AgentStatus, now: float
+    job: Job, world: World, speaker: pb.AgentStatus, loss: float, now: float
 ) -> list[dict[str, Any]] | None:
     """status.progress with a sample of this pass appended, or None when the step has not
     advanced past the last sample's, or the last sample is not SAMPLE_SECONDS old and of the
     same layout (the patch then leaves the series as it is): the first sample in a new layout
     is taken by the pass that saw its reconfiguration end, where the history puts it.
 
-    A sample is the speaker's step (the next one to train) and loss (of the step before), the
+    A sample is the speaker's step (the next one to train) and `loss` (of the step before), the
     world's layout and member count, and the tokens per second since the last sample: the
     steps trained since then times the tokens of a step (global batch x sequence length) over
     the seconds between the two passes, a reconfiguration's pause included. Full, the series
@@ -263,7 +276,7 @@ def _progress(
         if step <= int(last.get("step", 0)) or soon:
             return None
     sample: dict[str, Any] = {
-        "time": _precise_stamp(now), "step": step, "loss": round(float(speaker.loss), 6),
+        "time": _precise_stamp(now), "step": step, "loss": loss,
         "members": len(world.members), "layout": world.describe(),
     }  # fmt: skip
     if last is not None and seconds > 0:  # not behind the last sample (a clock set back)

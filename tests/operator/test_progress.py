@@ -66,3 +66,17 @@ def test_a_full_series_drops_every_other_sample_and_keeps_the_whole_span() -> No
     assert len(series) == PROGRESS // 2 + 1
     assert [s["step"] for s in series] == [*range(1, PROGRESS + 1, 2), PROGRESS + 5]
     assert series[-1]["tokensPerSecond"] == 5 * TOKENS_PER_STEP / 10
+
+
+def test_the_loss_is_of_a_member_that_trained_a_step() -> None:
+    """A member that joined in this world reports no loss (0) until its first step: the status
+    takes the next member's, and with none known takes no sample, rather than a fall to 0."""
+    joined, stayed = training(1, step=10), training(1, step=10)
+    joined.loss, stayed.loss = 0.0, 3.25
+    pods = seen(pod("p0", joined, role="member"), pod("p1", stayed, role="member"),
+                pod("p2", stayed, role="member"))  # fmt: skip
+    out = decide(pods, Record(world=WORLD), JOB, NOW).status
+    assert out["loss"] == 3.25 and out["progress"][-1]["loss"] == 3.25
+    fresh = seen(*(pod(m, joined, role="member") for m in WORLD.members))  # a first world
+    out = decide(fresh, Record(world=WORLD), JOB, NOW).status
+    assert "loss" not in out and "progress" not in out and out["step"] == 10

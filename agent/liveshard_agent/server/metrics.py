@@ -57,10 +57,15 @@ class Metrics:
             return series.labels(**labels)
 
         self.step = gauge("liveshard_step", "The last step this member trained.")
-        self.loss = gauge("liveshard_loss", "The loss of the last step.")
-        self.tokens_per_second = gauge(
-            "liveshard_tokens_per_second", "The job's tokens of the last step over its seconds."
-        )
+        # Series of a trained step, exported from the first: a member standing by or joining
+        # has none yet, and a 0 would pull a job's average down.
+        self._labels = labels
+        self._loss = Gauge("liveshard_loss", "The loss of the last step.", _LABELS,
+                           registry=self.registry)  # fmt: skip
+        self._tokens_per_second = Gauge(
+            "liveshard_tokens_per_second", "The job's tokens of the last step over its seconds.",
+            _LABELS, registry=self.registry,
+        )  # fmt: skip
         self.step_seconds = histogram(
             "liveshard_step_seconds", "Seconds each step took on this member.", _STEP_BUCKETS
         )
@@ -122,9 +127,10 @@ class Metrics:
         match event:
             case Stepped(record=record):
                 self.step.set(record.step)
-                self.loss.set(record.loss)
+                self._loss.labels(**self._labels).set(record.loss)
                 if record.seconds > 0:
-                    self.tokens_per_second.set(self._tokens_per_step / record.seconds)
+                    tokens = self._tokens_per_step / record.seconds
+                    self._tokens_per_second.labels(**self._labels).set(tokens)
                 self.step_seconds.observe(record.seconds)
                 if record.exchange_seconds > 0:
                     self.exchange_seconds.observe(record.exchange_seconds)

@@ -65,7 +65,11 @@ def metrics() -> Metrics:
 
 
 def test_steps_set_the_progress_series(metrics: Metrics) -> None:
-    """No process."""
+    """No process. A member that trained no step yet (standing by, joining) has no loss or
+    rate: a 0 would pull the job's average down."""
+    assert value(metrics, "liveshard_loss") is None
+    assert value(metrics, "liveshard_tokens_per_second") is None
+    assert value(metrics, "liveshard_step") == 0
     metrics.report(stepped(0, 5.0, 0.5))
     costs = StepCosts((1.0, 1.0, 1.0, 1.0))
     metrics.report(dataclasses.replace(
