@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the local cluster's binaries (kube-apiserver, kube-controller-manager, kube-scheduler,
-# kubectl, etcd, helm) from the committed Go wrapper modules under e2e/tools/ into a cache folder
-# outside the repo, keyed by their versions:
+# kubectl, etcd, helm, and Kueue's manager for its tests) from the committed Go wrapper modules
+# under e2e/tools/ into a cache folder outside the repo, keyed by their versions:
 #     ${LIVESHARD_CACHE:-$HOME/.cache/liveshard}/bin/k8s-v<K>_etcd-v<E>_helm-v<H>_<digest>/
 # A no-op when that folder is complete. Installs a Go toolchain from the Go module proxy when no
 # suitable `go` is found. Exits non-zero with a message on any failure.
@@ -19,10 +19,11 @@ cache=${LIVESHARD_CACHE:-$HOME/.cache/liveshard}
 # change to flags or dependencies builds afresh (liveshard_e2e.binaries computes the same).
 digest=$(cd "$here" && cat build.sh versions.env tools/etcd/go.mod tools/etcd/go.sum \
          tools/helm/go.mod tools/helm/go.sum tools/k8s/go.mod tools/k8s/go.sum \
+         tools/kueue/go.mod tools/kueue/go.sum \
          | sha256sum | cut -c1-10)
 key="k8s-v${K8S_VERSION}_etcd-v${ETCD_VERSION}_helm-v${HELM_VERSION}_${digest}"
 out="$cache/bin/$key"
-binaries=(kube-apiserver kube-controller-manager kube-scheduler kubectl etcd helm)
+binaries=(kube-apiserver kube-controller-manager kube-scheduler kubectl etcd helm kueue)
 
 fail() { echo "e2e/build.sh: error: $*" >&2; exit 1; }
 log() { echo "e2e/build.sh: $(date +%H:%M:%S) $*" >&2; }
@@ -125,6 +126,12 @@ for p in helm.sh/helm/v3/pkg/chartutil helm.sh/helm/v3/pkg/lint/rules; do
     hld+=" -X $p.k8sVersionMajor=1 -X $p.k8sVersionMinor=$minor"
 done
 build helm "$hld" helm.sh/helm/v3/cmd/helm helm
+# Kueue's manager and its CRDs, for the tests of its pod integration (tests/e2e/test_kueue.py).
+build kueue "-s -w" sigs.k8s.io/kueue/cmd/kueue kueue
+kueue_dir=$(cd "$here/tools/kueue" && "$go" list -m -f '{{.Dir}}' sigs.k8s.io/kueue) \
+    || fail "cannot locate the sigs.k8s.io/kueue module"
+mkdir -p "$tmp/kueue-crds"
+cp "$kueue_dir"/config/components/crd/bases/*.yaml "$tmp/kueue-crds/"
 
 # (Outputs are captured first: `cmd | grep -q` can fail under pipefail when grep exits early.)
 check_version() {  # check_version <expected substring> <command...>

@@ -51,6 +51,12 @@ class Binaries:
     kubectl: Path
     etcd: Path
     helm: Path
+    kueue: Path  # Kueue's manager, for the tests of its pod integration
+
+    @property
+    def kueue_crds(self) -> Path:
+        """The folder of Kueue's CRDs, copied from its module by the build."""
+        return self.folder / "kueue-crds"
 
     @property
     def k8s_version(self) -> str:
@@ -67,6 +73,8 @@ _KEYED_FILES = (
     "tools/helm/go.sum",
     "tools/k8s/go.mod",
     "tools/k8s/go.sum",
+    "tools/kueue/go.mod",
+    "tools/kueue/go.sum",
 )
 
 
@@ -90,7 +98,7 @@ def find_binaries() -> Binaries:
     """The built binaries, or :class:`BinariesMissing` saying how to build them."""
     folder = binaries_folder()
     names = ["kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "etcd"]
-    names.append("helm")
+    names += ["helm", "kueue"]
     paths = {name: folder / name for name in names}
     missing = [n for n, p in paths.items() if not os.access(p, os.X_OK)]
     if missing or not (folder / ".complete").exists():

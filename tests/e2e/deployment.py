@@ -21,10 +21,10 @@ EXAMPLES = ROOT / "examples"
 API = "/apis/liveshard.io/v1alpha1"
 
 
-def install_crd(kube: Kube) -> None:
-    """Applies the CRD (server-side, idempotent: other tests of the session may have installed the
-    same file) and waits until the API server serves it. Never deleted: it is cluster-scoped and
-    shared by every test of the session."""
+def install_crd(kube: Kube, path: Path = CRD_FILE, names: tuple[str, ...] = (CRD_NAME,)) -> None:
+    """Applies the CRDs of `path` (a file or a folder; server-side, idempotent: other tests of the
+    session may have installed the same) and waits until the API server serves those `names`.
+    Never deleted: they are cluster-scoped and shared by every test of the session."""
     kube.run(
         "kubectl",
         "apply",
@@ -32,16 +32,17 @@ def install_crd(kube: Kube) -> None:
         "--force-conflicts",
         "--field-manager=liveshard-tests",
         "-f",
-        str(CRD_FILE),
+        str(path),
     )
 
-    def established() -> bool:
-        crd = kube.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{CRD_NAME}")
+    def established(name: str) -> bool:
+        crd = kube.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
         conditions = ((crd or {}).get("status") or {}).get("conditions") or []
         return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
 
     # Polled: `kubectl wait` fails outright when it reads the CRD before it has any condition.
-    wait_until(established, 60, f"crd/{CRD_NAME} established")
+    for name in names:
+        wait_until(lambda n=name: established(n), 60, f"crd/{name} established")  # type: ignore[misc]
 
 
 def crd_schema() -> dict[str, Any]:
