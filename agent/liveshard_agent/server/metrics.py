@@ -57,8 +57,9 @@ class Metrics:
             return series.labels(**labels)
 
         self.step = gauge("liveshard_step", "The last step this member trained.")
-        # Series of a trained step, exported from the first: a member standing by or joining
-        # has none yet, and a 0 would pull a job's average down.
+        # Series of a trained step, exported from the first and dropped when the member stands
+        # by: one that has no step of the job's (standing by, joining) exports none, so that
+        # neither a 0 nor a stale value enters a job's average.
         self._labels = labels
         self._loss = Gauge("liveshard_loss", "The loss of the last step.", _LABELS,
                            registry=self.registry)  # fmt: skip
@@ -157,3 +158,6 @@ class Metrics:
     def set_phase(self, phase: Phase) -> None:
         for each, series in self._phases.items():
             series.set(1 if each is phase else 0)
+        if phase is Phase.STANDBY:  # out of the world: its last step is not the job's
+            for trained in (self._loss, self._tokens_per_second):
+                trained.remove(*self._labels.values())

@@ -147,6 +147,13 @@ def test_the_phase_gauge_is_one_for_the_current_phase_only(metrics: Metrics) -> 
     metrics.set_phase(Phase.TRAINING)
     metrics.set_phase(Phase.BROKEN)
     assert phases() == {p.name.lower(): float(p is Phase.BROKEN) for p in Phase}
+    # A member that trained, then left the world, exports no loss or rate of its own any more.
+    metrics.report(stepped(1, 4.5, 0.25))
+    assert value(metrics, "liveshard_loss") == 4.5
+    metrics.set_phase(Phase.STANDBY)
+    assert value(metrics, "liveshard_loss") is None
+    assert value(metrics, "liveshard_tokens_per_second") is None
+    metrics.set_phase(Phase.STANDBY)  # again: nothing to drop
 
 
 def test_agents_in_one_process_keep_their_series_apart(metrics: Metrics) -> None:
