@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the local cluster's binaries (kube-apiserver, kube-controller-manager, kube-scheduler,
-# kubectl, etcd, helm, and Kueue's manager for its tests) from the committed Go wrapper modules
-# under e2e/tools/ into a cache folder outside the repo, keyed by their versions:
+# kubectl, etcd, helm, and Kueue's manager and scheduler-plugins' scheduler for their tests) from
+# the committed Go wrapper modules under e2e/tools/ into a cache folder outside the repo, keyed by
+# their versions:
 #     ${LIVESHARD_CACHE:-$HOME/.cache/liveshard}/bin/k8s-v<K>_etcd-v<E>_helm-v<H>_<digest>/
 # A no-op when that folder is complete. Installs a Go toolchain from the Go module proxy when no
 # suitable `go` is found. Exits non-zero with a message on any failure.
@@ -20,10 +21,12 @@ cache=${LIVESHARD_CACHE:-$HOME/.cache/liveshard}
 digest=$(cd "$here" && cat build.sh versions.env tools/etcd/go.mod tools/etcd/go.sum \
          tools/helm/go.mod tools/helm/go.sum tools/k8s/go.mod tools/k8s/go.sum \
          tools/kueue/go.mod tools/kueue/go.sum \
+         tools/scheduler-plugins/go.mod tools/scheduler-plugins/go.sum \
          | sha256sum | cut -c1-10)
 key="k8s-v${K8S_VERSION}_etcd-v${ETCD_VERSION}_helm-v${HELM_VERSION}_${digest}"
 out="$cache/bin/$key"
-binaries=(kube-apiserver kube-controller-manager kube-scheduler kubectl etcd helm kueue)
+binaries=(kube-apiserver kube-controller-manager kube-scheduler kubectl etcd helm kueue
+          kube-scheduler-plugins)
 
 fail() { echo "e2e/build.sh: error: $*" >&2; exit 1; }
 log() { echo "e2e/build.sh: $(date +%H:%M:%S) $*" >&2; }
@@ -132,6 +135,13 @@ kueue_dir=$(cd "$here/tools/kueue" && "$go" list -m -f '{{.Dir}}' sigs.k8s.io/ku
     || fail "cannot locate the sigs.k8s.io/kueue module"
 mkdir -p "$tmp/kueue-crds"
 cp "$kueue_dir"/config/components/crd/bases/*.yaml "$tmp/kueue-crds/"
+# scheduler-plugins' scheduler (its coscheduling plugin places a PodGroup's pods together) and
+# its PodGroup CRD, for the gang-scheduling tests (tests/e2e/test_gang.py).
+build scheduler-plugins "$kld" sigs.k8s.io/scheduler-plugins/cmd/scheduler kube-scheduler-plugins
+plugins_dir=$(cd "$here/tools/scheduler-plugins" \
+              && "$go" list -m -f '{{.Dir}}' sigs.k8s.io/scheduler-plugins) \
+    || fail "cannot locate the sigs.k8s.io/scheduler-plugins module"
+cp "$plugins_dir/manifests/coscheduling/crd.yaml" "$tmp/podgroup-crd.yaml"
 
 # (Outputs are captured first: `cmd | grep -q` can fail under pipefail when grep exits early.)
 check_version() {  # check_version <expected substring> <command...>

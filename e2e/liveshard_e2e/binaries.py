@@ -52,11 +52,17 @@ class Binaries:
     etcd: Path
     helm: Path
     kueue: Path  # Kueue's manager, for the tests of its pod integration
+    kube_scheduler_plugins: Path  # scheduler-plugins' scheduler, for the gang-scheduling tests
 
     @property
     def kueue_crds(self) -> Path:
         """The folder of Kueue's CRDs, copied from its module by the build."""
         return self.folder / "kueue-crds"
+
+    @property
+    def pod_group_crd(self) -> Path:
+        """scheduler-plugins' PodGroup CRD, copied from its module by the build."""
+        return self.folder / "podgroup-crd.yaml"
 
     @property
     def k8s_version(self) -> str:
@@ -75,6 +81,8 @@ _KEYED_FILES = (
     "tools/k8s/go.sum",
     "tools/kueue/go.mod",
     "tools/kueue/go.sum",
+    "tools/scheduler-plugins/go.mod",
+    "tools/scheduler-plugins/go.sum",
 )
 
 
@@ -98,7 +106,7 @@ def find_binaries() -> Binaries:
     """The built binaries, or :class:`BinariesMissing` saying how to build them."""
     folder = binaries_folder()
     names = ["kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "etcd"]
-    names += ["helm", "kueue"]
+    names += ["helm", "kueue", "kube-scheduler-plugins"]
     paths = {name: folder / name for name in names}
     missing = [n for n, p in paths.items() if not os.access(p, os.X_OK)]
     if missing or not (folder / ".complete").exists():

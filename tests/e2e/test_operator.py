@@ -33,13 +33,13 @@ from liveshard_core.job import DEFAULT_METRICS_PORT
 from liveshard_core.layout.layout import parse_degrees
 from liveshard_core.vps.hf import HfModel
 from liveshard_core.vps.presets import CONFIGS
+from liveshard_e2e.binaries import find_binaries
 from liveshard_e2e.testing import Kube, member_pid
 from liveshard_e2e.waiting import wait_until
 from tests.e2e.deployment import API, CHART, example, install_crd, release_name
 
 JOB = "tiny"
 ROOT = Path(__file__).resolve().parents[2]
-PODGROUP_CRD = Path(__file__).with_name("podgroup-crd.yaml")
 VOLCANO_PODGROUP_CRD = Path(__file__).with_name("volcano-podgroup-crd.yaml")
 OPERATOR_METRICS_PORT = 9401  # the chart's metrics.port
 GLOBAL_BATCH = 24
@@ -500,10 +500,7 @@ def test_gang_scheduled_workers_form_a_pod_group_and_pass_restricted_pod_securit
     # Pods that are not restricted-compliant (root, privilege escalation, ...) are refused here.
     restricted = "pod-security.kubernetes.io/enforce=restricted"
     kube.run("kubectl", "label", "namespace", kube.namespace, restricted)
-    kube.run("kubectl", "apply", "--server-side", "-f", str(PODGROUP_CRD))
-    crd = "crd/podgroups.scheduling.x-k8s.io"
-    wait_until(lambda: kube.run("kubectl", "get", crd, check=False).returncode == 0 or None, 60,
-               "the PodGroup kind served")  # fmt: skip
+    install_crd(kube, find_binaries().pod_group_crd, ("podgroups.scheduling.x-k8s.io",))
     kube.apply(job(3, minReplicas=2, scheduling={"gang": True, "pendingTimeoutSeconds": 120}))
     path = f"/apis/scheduling.x-k8s.io/v1alpha1/namespaces/{kube.namespace}/podgroups/{JOB}"
     group = wait_until(lambda: kube.get(path), 60, "the job's PodGroup")
