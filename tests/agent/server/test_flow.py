@@ -272,9 +272,10 @@ def test_the_agents_of_a_deleted_job_are_discarded_whatever_they_do(tmp_path: Pa
     """2 agent processes training, told their pods are going (SIGTERM), then that their job is
     gone (`discard`), which a member of the world in effect takes though a plain Release is
     refused. a0, whose peer is stopped (SIGSTOP) so that its collective waits for an op deadline
-    of 120 s, exits a few seconds after its answer; a1, let go on, finds its world broken and
+    of 45 s (longer than the 10 s its step is watched plus the 5 s a discarded agent gives its
+    member), exits a few seconds after its answer; a1, let go on, finds its world broken and
     exits at once."""
-    config = {**CONFIG, "deadlines": {"op": 120, "switch": 180, "prepare": 180}}
+    config = {**CONFIG, "deadlines": {"op": 45, "switch": 180, "prepare": 180}}
     with agents(["a0", "a1"], tmp_path, LIVESHARD_CONFIG=json.dumps(config)) as started:
         a0, a1 = started["a0"], started["a1"]
         world = layout(["a0", "a1"], dp=2)
@@ -300,7 +301,7 @@ def test_the_agents_of_a_deleted_job_are_discarded_whatever_they_do(tmp_path: Pa
         a1.signal(signal.SIGCONT)
         # Let go on, a1 finds its world broken (its peer has gone) and stops training: at once
         # when its collective sees the closed connection, at the latest at its op deadline.
-        a1.wait_for("its world broken", lambda s: s.phase == Phase.BROKEN, timeout=120 + WAIT)
+        a1.wait_for("its world broken", lambda s: s.phase == Phase.BROKEN, timeout=45 + WAIT)
         a1.call("Release", pb.ReleaseRequest(discard=True))
         assert a1.wait_exit() == 0
         assert "did not stop within" not in a1.output()
