@@ -4,6 +4,7 @@ test cluster, and the example job as a mutable dict. No test lives here."""
 from __future__ import annotations
 
 import copy
+import functools
 import uuid
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ def install_crd(kube: Kube, path: Path = CRD_FILE, names: tuple[str, ...] = (CRD
 
     # Polled: `kubectl wait` fails outright when it reads the CRD before it has any condition.
     for name in names:
-        wait_until(lambda n=name: established(n), 60, f"crd/{name} established")  # type: ignore[misc]
+        wait_until(functools.partial(established, name), 60, f"crd/{name} established")
 
 
 def crd_schema() -> dict[str, Any]:

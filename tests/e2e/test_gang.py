@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
@@ -20,7 +19,15 @@ from liveshard_e2e.binaries import find_binaries
 from liveshard_e2e.testing import Kube
 from liveshard_e2e.waiting import wait_until
 from tests.e2e.deployment import install_crd
-from tests.e2e.test_operator import JOB, STARTUP, Steps, job, members, operator, training  # noqa: F401
+from tests.e2e.test_operator import (  # noqa: F401
+    STARTUP,
+    Steps,
+    job,
+    members,
+    operator,
+    status,
+    training,
+)
 
 SCHEDULER = "liveshard-coscheduling"
 
@@ -82,9 +89,8 @@ def test_a_gang_that_does_not_fit_whole_is_not_placed_until_it_does(coscheduling
             scheduled = next(c for c in pod["status"].get("conditions", [])
                              if c["type"] == "PodScheduled")  # fmt: skip
             assert scheduled["status"] == "False", (name, scheduled)
-        path = f"/apis/liveshard.io/v1alpha1/namespaces/{kube.namespace}/elastictrainingjobs/{JOB}"
-        status: dict[str, Any] = (kube.get(path) or {}).get("status") or {}
-        assert status.get("phase") == "Pending" and not status.get("members"), status
+        pending = status(kube)
+        assert pending.get("phase") == "Pending" and not pending.get("members"), pending
 
         kube.run("kubectl", "uncordon", closed[0])
         steps = Steps(kube)

@@ -26,7 +26,15 @@ from liveshard_e2e.pki import create_pki, issue_serving_cert
 from liveshard_e2e.testing import Kube
 from liveshard_e2e.waiting import wait_until
 from tests.e2e.deployment import install_crd
-from tests.e2e.test_operator import STARTUP, Steps, job, operator, training  # noqa: F401
+from tests.e2e.test_operator import (  # noqa: F401
+    STARTUP,
+    Steps,
+    condition,
+    job,
+    operator,
+    short_of,
+    training,
+)
 
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 GATE = "kueue.x-k8s.io/admission"
@@ -172,15 +180,8 @@ def test_kueue_admits_the_workers_it_has_quota_for_and_the_job_grows_with_the_qu
     )
     kube.apply(body)
     steps = Steps(kube)
-
-    def short(s: dict[str, Any]) -> bool:
-        degraded: dict[str, Any] = next(
-            (c for c in s.get("conditions", []) if c["type"] == "Degraded"), {}
-        )
-        return training(3)(s) and s.get("step", 0) >= 2 and degraded.get("status") == "True"
-
-    first = steps.wait(short, "training with the 3 pods Kueue admitted", STARTUP)
-    degraded = next(c for c in first["conditions"] if c["type"] == "Degraded")
+    first = steps.wait(short_of(3), "training with the 3 pods Kueue admitted", STARTUP)
+    degraded = condition(first, "Degraded")
     # A gated pod is one the scheduler may not place yet: the job goes on without it at once.
     assert degraded["reason"] == "SchedulingGated", degraded
     assert degraded["message"].startswith("1 of 4 pods missing"), degraded

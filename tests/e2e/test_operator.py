@@ -104,6 +104,22 @@ class Steps:
         return found
 
 
+def condition(s: dict[str, Any], kind: str) -> dict[str, Any]:
+    """The job status `s`'s condition of type `kind` ({} while it has none)."""
+    return next((c for c in s.get("conditions", []) if c["type"] == kind), {})
+
+
+def short_of(replicas: int) -> Callable[[dict[str, Any]], bool]:
+    """Training with `replicas` members past step 2, the Degraded condition saying pods are
+    missing."""
+
+    def check(s: dict[str, Any]) -> bool:
+        degraded = condition(s, "Degraded")
+        return training(replicas)(s) and s.get("step", 0) >= 2 and degraded.get("status") == "True"
+
+    return check
+
+
 def training(replicas: int, epoch: int | None = None) -> Callable[[dict[str, Any]], bool]:
     def check(s: dict[str, Any]) -> bool:
         return (s.get("phase") == "Running" and s.get("replicas") == replicas
@@ -339,13 +355,8 @@ def test_a_job_starts_with_the_pods_that_land_and_grows_as_more_do(operator: Kub
     try:
         kube.apply(body)
         steps = Steps(kube)
-
-        def short(s: dict[str, Any]) -> bool:
-            degraded = next((c for c in s.get("conditions", []) if c["type"] == "Degraded"), {})
-            return training(2)(s) and s.get("step", 0) >= 2 and degraded.get("status") == "True"
-
-        first = steps.wait(short, "training with the 2 pods that landed", STARTUP)
-        degraded = next(c for c in first["conditions"] if c["type"] == "Degraded")
+        first = steps.wait(short_of(2), "training with the 2 pods that landed", STARTUP)
+        degraded = condition(first, "Degraded")
         assert degraded["reason"] == "Unschedulable", degraded
         assert degraded["message"].startswith("2 of 4 pods missing, going on without them")
         assert "cannot be scheduled" in degraded["message"], degraded
@@ -358,7 +369,7 @@ def test_a_job_starts_with_the_pods_that_land_and_grows_as_more_do(operator: Kub
         assert last["result"] == "committed", last
         assert last["from"].startswith("dp=2") and last["to"].startswith("dp=4"), last
         assert set(first["members"]) < set(grown["members"])
-        degraded = next(c for c in grown["conditions"] if c["type"] == "Degraded")
+        degraded = condition(grown, "Degraded")
         assert degraded["status"] == "False", degraded
 
         # The two that stayed share a node and the two that joined the other: where the grow

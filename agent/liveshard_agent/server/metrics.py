@@ -46,8 +46,11 @@ class Metrics:
         self._tokens_per_step = settings.global_batch * settings.seq_len
         labels = {"job": job, "member": member}
 
+        def gauges(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, _LABELS, registry=self.registry)
+
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, _LABELS, registry=self.registry).labels(**labels)
+            return gauges(name, doc).labels(**labels)
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, _LABELS, registry=self.registry).labels(**labels)
@@ -61,12 +64,10 @@ class Metrics:
         # by: one that has no step of the job's (standing by, joining) exports none, so that
         # neither a 0 nor a stale value enters a job's average.
         self._labels = labels
-        self._loss = Gauge("liveshard_loss", "The loss of the last step.", _LABELS,
-                           registry=self.registry)  # fmt: skip
-        self._tokens_per_second = Gauge(
-            "liveshard_tokens_per_second", "The job's tokens of the last step over its seconds.",
-            _LABELS, registry=self.registry,
-        )  # fmt: skip
+        self._loss = gauges("liveshard_loss", "The loss of the last step.")
+        self._tokens_per_second = gauges(
+            "liveshard_tokens_per_second", "The job's tokens of the last step over its seconds."
+        )
         self.step_seconds = histogram(
             "liveshard_step_seconds", "Seconds each step took on this member.", _STEP_BUCKETS
         )
@@ -160,4 +161,4 @@ class Metrics:
             series.set(1 if each is phase else 0)
         if phase is Phase.STANDBY:  # out of the world: its last step is not the job's
             for trained in (self._loss, self._tokens_per_second):
-                trained.remove(*self._labels.values())
+                trained.remove(*(self._labels[name] for name in _LABELS))
