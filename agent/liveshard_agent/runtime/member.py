@@ -127,7 +127,7 @@ class Member:
         self.epoch = -1
         self.pending: Pending | None = None
         self.checkpoint_due: _Checkpoint | None = None
-        self.last_loss: float | None = None
+        self.last_loss: float | None = None  # of its last step in the world it trains in
         self.last_exchange_seconds = 0.0  # the last step's (`StepRecord.exchange_seconds`)
         self._agreement: Readiness | None = None  # the last step's readiness, summed
         self.broken: Breakage | None = None
@@ -228,6 +228,7 @@ class Member:
         self.log = context_logger(log, job=self.job, epoch=epoch, member=self.name)
 
     def _train(self, state: Any, world: World, scalars: Scalars) -> None:
+        self.last_loss = None  # a member that trained in an earlier world has none here yet
         self.trainer = Trainer(
             state=state, world=world, settings=self.settings, dataset=self.dataset, scalars=scalars
         )

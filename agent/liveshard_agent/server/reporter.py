@@ -52,7 +52,8 @@ def observe(
     member: Member, before: Observed, layout_of: Callable[[int], Layout | None]
 ) -> Observed:
     """The member now; `before` supplies what a member that left a world no longer knows (its
-    last step and loss)."""
+    last step and loss). A member that joined a world shows no loss (0) until it trains a step
+    there, also when it trained in an earlier one."""
     pending = member.pending
     view = None
     if pending is not None:
@@ -77,7 +78,7 @@ def observe(
         step=member.step if member.training else before.step,
         samples=trainer.scalars.samples if trainer is not None else before.samples,
         layout=layout,
-        loss=member.last_loss if member.last_loss is not None else before.loss, pending=view,
+        loss=(member.last_loss or 0.0) if member.training else before.loss, pending=view,
         checkpoint_due=due.number if due is not None else None,
         state_bytes=held[0], mirrored_bytes=held[1],
         exchange_seconds=member.last_exchange_seconds if member.training else 0.0,

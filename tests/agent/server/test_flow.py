@@ -32,11 +32,11 @@ from .agents import CONFIG, HOST, WAIT, Agent, Phase, agents, free_port, layout
 Code = grpc.StatusCode
 
 
-class Steps:
-    """Every (epoch, step) an agent's status stream shows, collected in a thread."""
+class Statuses:
+    """Every status an agent's status stream shows, collected in a thread."""
 
     def __init__(self, agent: Agent) -> None:
-        self.seen: list[tuple[int, int]] = []
+        self.seen: list[pb.AgentStatus] = []
         self.stream = agent.call("WatchStatus", pb.WatchStatusRequest(), timeout=None)
         self.thread = threading.Thread(target=self._follow, daemon=True)
         self.thread.start()
@@ -44,11 +44,11 @@ class Steps:
     def _follow(self) -> None:
         try:
             for status in self.stream:
-                self.seen.append((status.epoch, status.step))
+                self.seen.append(status)
         except grpc.RpcError:
             pass  # cancelled at the end
 
-    def stop(self) -> list[tuple[int, int]]:
+    def stop(self) -> list[pb.AgentStatus]:
         self.stream.cancel()
         self.thread.join(10)
         return self.seen
@@ -114,7 +114,7 @@ def test_a_job_grows_shrinks_aborts_checkpoints_and_drains(
         status = trains(agent, 2)
         assert status.epoch == 0 and status.layout == first and status.ready
     assert a2.status().phase == Phase.STANDBY
-    steps = Steps(a0)
+    steps = Statuses(a0)
 
     # Grow to 4: prepared while training, held, then released to switch at an agreed step.
     grown = layout(["a0", "a1", "a2", "a3"], dp=4)
@@ -200,6 +200,7 @@ def test_a_job_grows_shrinks_aborts_checkpoints_and_drains(
     assert err.code() == Code.FAILED_PRECONDITION and "terminating" in str(err)
     drained = layout(["a0", "a1"], dp=2)
     drain = change(4, host_store(a0, 4), shrunk, drained)
+    rejoined = Statuses(a1)
     prepare([a0, a2, a1], drain)
     switched([a0, a2, a1], 4)
     assert a2.status().phase == Phase.STANDBY and a2.proc.poll() is None  # still up
@@ -207,9 +208,14 @@ def test_a_job_grows_shrinks_aborts_checkpoints_and_drains(
     assert a2.wait_exit() == 0
     for agent in (a0, a1):
         assert trains(agent, agent.status().step).layout == drained
+    # a1 trained in epoch 1: back in a world, it shows no loss until it trains a step there.
+    back = [s for s in rejoined.stop() if s.epoch == 4 and s.phase == Phase.TRAINING]
+    switch_step = back[-1].last_switch.step
+    assert {s.loss for s in back if s.step == switch_step} <= {0.0}
+    assert all(s.loss > 0 for s in back if s.step > switch_step)
 
     # Through it all, a0's step never went back and its epoch only rose.
-    seen = steps.stop()
+    seen = [(s.epoch, s.step) for s in steps.stop()]
     assert len(seen) > 10
     assert seen == sorted(seen), seen
 
