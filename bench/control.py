@@ -29,6 +29,7 @@ changed since the last pass began (what its watches wake it for), else 2 s after
 (`handlers.PERIOD`). An agent's status changing wakes nothing: the next pass sees it.
 
     python bench/control.py [--members 64 256 1024] [--out bench/results/control.json]
+    python bench/control.py --no-resolver    # the store connects' name lookups fail at once
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import os
 import resource
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -410,13 +412,36 @@ def _rss() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
+_NO_RESOLVER = "LIVESHARD_BENCH_NO_RESOLVER"  # set once the run is inside its namespace
+
+
+def _without_resolver(argv: list[str]) -> None:
+    """Run this command again in a mount namespace of its own (`unshare`, no privilege needed)
+    whose /etc/resolv.conf names a DNS server that is not there: every lookup of a host name
+    fails at once, as a cluster's DNS answers at once, rather than waiting on this machine's
+    resolver (`bench/store.py`)."""
+    conf = Path(tempfile.mkdtemp()) / "resolv.conf"
+    conf.write_text("nameserver 127.0.0.1\n")  # nothing listens there: refused at once
+    bind = 'mount --bind "$0" /etc/resolv.conf && exec "$@"'
+    command = ["unshare", "--mount", "--map-root-user", "sh", "-c", bind, str(conf),
+               sys.executable, sys.argv[0], *argv]  # fmt: skip
+    os.execvpe(command[0], command, {**os.environ, _NO_RESOLVER: "1"})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--members", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--step-seconds", type=float, default=1.0)
     parser.add_argument("--quick", action="store_true", help="8 members (a smoke run)")
     parser.add_argument("--out", default="bench/results/control.json")
+    parser.add_argument(
+        "--no-resolver", action="store_true",
+        help="host-name lookups fail at once instead of asking this machine's DNS server "
+        "(the members' store connects look up both sides' names)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.no_resolver and not os.environ.get(_NO_RESOLVER):
+        _without_resolver(argv if argv is not None else sys.argv[1:])
     assert "torch" not in sys.modules
     results = []
     for members in [8] if args.quick else args.members:
