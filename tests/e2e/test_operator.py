@@ -291,7 +291,7 @@ def test_members_that_cannot_read_a_decision_are_told_it_and_the_job_never_split
     assert (told["result"], told["epoch"]) == ("aborted", first["epoch"] + 1), told
     assert "no member read the decision" in told["message"], told
     assert committed["result"] == "committed" and committed["to"].startswith("dp=3"), committed
-    assert not any(c["type"] == "Failed" and c["status"] == "True" for c in grown["conditions"])
+    assert condition(grown, "Failed").get("status") != "True", grown
     reasons = event_reasons(kube)
     assert "ReconfigurationAborted" in reasons and "SplitReconfiguration" not in reasons
     steps.wait(lambda s: s.get("step", 0) > grown["step"], "training on in the new layout")
@@ -462,10 +462,10 @@ def test_a_suspended_job_resumes_in_another_layout_at_the_same_step(
     suspended = steps.wait(lambda s: s.get("phase") == "Suspended", "suspended")
     step = suspended["step"]
     assert step >= start["step"] and suspended["replicas"] == 0
-    condition = next(c for c in suspended["conditions"] if c["type"] == "Suspended")
-    assert condition["status"] == "True" and condition["reason"] == "JobSuspended"
+    said = condition(suspended, "Suspended")
+    assert said["status"] == "True" and said["reason"] == "JobSuspended"
     path = suspended["reconfiguration"]["suspended"]["path"]
-    assert condition["message"] == f"the state of step {step} is saved in {path}"
+    assert said["message"] == f"the state of step {step} is saved in {path}"
     assert json.loads((Path(path) / "liveshard.json").read_text())["scalars"]["step"] == step
     wait_until(lambda: not members(kube) or None, 60, "every pod released")
     assert "Suspended" in event_reasons(kube)
@@ -478,8 +478,8 @@ def test_a_suspended_job_resumes_in_another_layout_at_the_same_step(
     assert last["reason"].startswith(f"resume from {path} (step {step})"), last
     assert last["result"] == "committed" and last["to"].startswith("dp=3"), last
     assert resumed["step"] >= step
-    condition = next(c for c in resumed["conditions"] if c["type"] == "Suspended")
-    assert (condition["status"], condition["reason"]) == ("False", "JobResumed")
+    said = condition(resumed, "Suspended")
+    assert (said["status"], said["reason"]) == ("False", "JobResumed")
     secret, pods = token(kube), members(kube)
     for name in resumed["members"]:
         agent = agent_status(kube, pods[name], secret)
@@ -703,7 +703,7 @@ def test_a_finished_job_is_exported_as_a_hugging_face_directory(
     kube.apply(body)
     done = Steps(kube).wait(lambda s: s.get("phase") == "Succeeded", "Succeeded", STARTUP)
     assert done.get("exportedTo") == str(out) and done["step"] == 8, json.dumps(done)[:3000]
-    succeeded = next(c for c in done["conditions"] if c["type"] == "Succeeded")
+    succeeded = condition(done, "Succeeded")
     assert succeeded["message"] == f"trained 8 steps; exported step 8 to {out}"
     saved = json.loads((tmp_path / "checkpoints" / "step-8" / "liveshard.json").read_text())
     assert saved["scalars"]["step"] == 8
@@ -720,7 +720,7 @@ def test_a_count_no_layout_can_use_leaves_hot_spares(operator: Kube) -> None:
     steps = Steps(kube)
     running = steps.wait(lambda s: training(4)(s) and len(s.get("spares", [])) == 1,
                          "4 members and a spare", STARTUP)  # fmt: skip
-    degraded = next(c for c in running["conditions"] if c["type"] == "Degraded")
+    degraded = condition(running, "Degraded")
     assert degraded["status"] == "True" and degraded["reason"] == "HotSpares"
     assert "no layout" in degraded["message"]
 
@@ -731,12 +731,10 @@ def test_a_tp_the_model_cannot_take_is_a_condition_naming_it(operator: Kube) -> 
     steps = Steps(kube)
 
     def invalid(s: dict[str, Any]) -> bool:
-        return any(
-            c["type"] == "Ready" and c["reason"] == "InvalidSpec" for c in s.get("conditions", [])
-        )
+        return condition(s, "Ready").get("reason") == "InvalidSpec"
 
     bad = steps.wait(invalid, "an InvalidSpec condition")
-    ready = next(c for c in bad["conditions"] if c["type"] == "Ready")
+    ready = condition(bad, "Ready")
     assert ready["status"] == "False"
     assert "tp=3 must divide heads=4" in ready["message"]
     assert not kube.pods(f"liveshard.io/job={JOB}")  # nothing was started for it
@@ -751,16 +749,16 @@ def test_workers_that_cannot_start_are_replaced_with_backoff_then_fail_the_job(
     steps = Steps(kube)
     crashing = steps.wait(lambda s: bool((s.get("reconfiguration") or {}).get("startFailures")),
                           "a failed start counted", STARTUP)  # fmt: skip
-    degraded = next(c for c in crashing["conditions"] if c["type"] == "Degraded")
+    degraded = condition(crashing, "Degraded")
     # The agent's refusal, as the kubelet kept its last log lines.
     assert degraded["reason"] == "WorkerCrashing" and "exit code 2" in degraded["message"]
     assert "/nonexistent/corpus.jsonl: no such file" in degraded["message"]
 
     def failed(s: dict[str, Any]) -> bool:
-        return any(c["type"] == "Failed" and c["status"] == "True" for c in s.get("conditions", []))
+        return condition(s, "Failed").get("status") == "True"
 
     done = steps.wait(failed, "the job Failed", STARTUP)
-    failure = next(c for c in done["conditions"] if c["type"] == "Failed")
+    failure = condition(done, "Failed")
     assert done["phase"] == "Failed" and failure["reason"] == "WorkersCrashing"
     row = done["reconfiguration"]["startFailures"]
     # The second pod came after the first one's 10 s backoff, not at the next pass.
