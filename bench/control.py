@@ -422,7 +422,8 @@ def _without_resolver(argv: list[str]) -> None:
     resolver (`bench/store.py`)."""
     conf = Path(tempfile.mkdtemp()) / "resolv.conf"
     conf.write_text("nameserver 127.0.0.1\n")  # nothing listens there: refused at once
-    bind = 'mount --bind "$0" /etc/resolv.conf && exec "$@"'
+    # bound, the file stays the namespace's /etc/resolv.conf with no name left on disk
+    bind = 'mount --bind "$0" /etc/resolv.conf && rm -r "${0%/*}" && exec "$@"'
     command = ["unshare", "--mount", "--map-root-user", "sh", "-c", bind, str(conf),
                sys.executable, sys.argv[0], *argv]  # fmt: skip
     os.execvpe(command[0], command, {**os.environ, _NO_RESOLVER: "1"})

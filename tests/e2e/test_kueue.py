@@ -27,12 +27,16 @@ from liveshard_e2e.testing import Kube
 from liveshard_e2e.waiting import wait_until
 from tests.e2e.deployment import install_crd
 from tests.e2e.test_operator import (  # noqa: F401
+    GLOBAL_BATCH,
     STARTUP,
     Steps,
+    agent_status,
     condition,
     job,
+    members,
     operator,
     short_of,
+    token,
     training,
 )
 
@@ -153,12 +157,14 @@ def _flavor(kube: Kube) -> str:
 
 
 def _quota(kube: Kube, pods: int) -> dict[str, Any]:
-    """The ClusterQueue with room for `pods` workers (each asks 100m CPU and 256Mi)."""
+    """The ClusterQueue with room for `pods` workers (each asks 100m CPU and 256Mi), where a
+    workload of a higher priority preempts lower ones."""
     return {
         "apiVersion": KUEUE_API, "kind": "ClusterQueue",
         "metadata": {"name": _cluster_queue(kube)},
         "spec": {
             "namespaceSelector": {},
+            "preemption": {"withinClusterQueue": "LowerPriority"},
             "resourceGroups": [{
                 "coveredResources": ["cpu", "memory"],
                 "flavors": [{"name": _flavor(kube), "resources": [
@@ -201,3 +207,57 @@ def test_kueue_admits_the_workers_it_has_quota_for_and_the_job_grows_with_the_qu
     wait_until(lambda: not any(p["spec"].get("schedulingGates")
                                for p in kube.pods("liveshard.io/job=tiny")),
                30, "no worker gated")  # fmt: skip
+
+
+def test_a_worker_kueue_preempts_is_drained_live_and_the_job_grows_back_once_it_may(
+    kueue: Kube, tmp_path: Path
+) -> None:
+    """A pod of a higher priority in the same queue, with no quota left: Kueue evicts one worker
+    (deletes its pod). The job drains that member live and trains on without it, its
+    replacement waits gated; once the preemptor is gone, Kueue admits it and the job grows back."""
+    kube = kueue
+    body = job(3, minReplicas=2)
+    body["spec"]["template"].setdefault("metadata", {}).setdefault("labels", {})[QUEUE_LABEL] = (
+        "team"
+    )
+    kube.apply(body)
+    steps = Steps(kube)
+    first = steps.wait(lambda s: training(3)(s) and s.get("step", 0) >= 2, "training with 3",
+                       STARTUP)  # fmt: skip
+    high = f"high-{kube.namespace}"
+    kube.apply({"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
+                "metadata": {"name": high}, "value": 1000})  # fmt: skip
+    preemptor = {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "preemptor", "namespace": kube.namespace,
+                     "labels": {QUEUE_LABEL: "team"}},
+        "spec": {"priorityClassName": high, "restartPolicy": "Never", "containers": [{
+            "name": "main", "image": "sleep", "command": ["sleep", "3600"],
+            "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
+        }]},
+    }  # fmt: skip
+    try:
+        kube.apply(preemptor)
+        shrunk = steps.wait(
+            lambda s: short_of(2)(s) and s.get("epoch", 0) > first["epoch"],
+            "training with 2 once Kueue preempted a worker",
+        )  # fmt: skip
+        last = shrunk["lastReconfiguration"]
+        assert last["result"] == "committed", last  # a drain, not a recovery from a loss
+        assert set(shrunk["members"]) < set(first["members"])
+        assert condition(shrunk, "Degraded")["reason"] == "SchedulingGated", shrunk
+        wait_until(lambda: (kube.get(f"/api/v1/namespaces/{kube.namespace}/pods/preemptor")
+                            or {}).get("status", {}).get("phase") == "Running",
+                   60, "the preemptor running")  # fmt: skip
+        steps.wait(lambda s: s.get("step", 0) > shrunk["step"], "training on with 2")
+        kube.kubectl("delete", "pod", "preemptor", "--grace-period=0", "--force")
+        grown = steps.wait(training(3, shrunk["epoch"] + 1), "grown back to 3", STARTUP)
+        assert grown["lastReconfiguration"]["result"] == "committed"
+        # The data cursor of every member is where its step says: no sample lost or repeated.
+        pods, secret = members(kube), token(kube)
+        for name in grown["members"]:
+            agent = agent_status(kube, pods[name], secret)
+            assert agent.samples == agent.step * GLOBAL_BATCH, (name, agent.samples, agent.step)
+    finally:
+        kube.kubectl("delete", "pod", "preemptor", "--grace-period=0", "--force", check=False)
+        kube.kubectl("delete", "priorityclass", high, check=False)
