@@ -1,7 +1,7 @@
 """The benchmarks' quick runs end to end (`bench/reshard.py`, `training.py`, `control.py`,
-`moe.py`, `snapshots.py`, each `--quick`): the first two fail on a switch that does not commit or
-lands a wrong byte; here their reports are checked for shape and for what must hold whatever the
-machine (no timing asserted)."""
+`moe.py`, `snapshots.py`, `pod_proxy.py`, each `--quick`): the first two fail on a switch that
+does not commit or lands a wrong byte; here their reports are checked for shape and for what must
+hold whatever the machine (no timing asserted)."""
 
 from __future__ import annotations
 
@@ -119,3 +119,14 @@ def test_snapshots_benchmark_quick(tmp_path: Path) -> None:
     # From step 12 on, both jobs train the same steps on the same state.
     assert mirrored["losses_after"][0] == restarted["losses_after"][2]
     assert unshared["losses_after"][0] == mirrored["losses_after"][1]
+
+
+def test_pod_proxy_benchmark_quick(tmp_path: Path) -> None:
+    # The same member answers both ways; only the pod's supervisor stamps its certificate.
+    report = run_bench("pod_proxy.py", tmp_path / "pod-proxy.json")
+    direct, proxied = report["direct"], report["proxied"]
+    assert direct["step"] == proxied["step"] == 12345
+    assert direct["serving_certificate"] == "" and len(proxied["serving_certificate"]) == 64
+    for timing in (direct, proxied):
+        assert 0 < timing["median_ms"] <= timing["p99_ms"]
+        assert timing["calls_per_second_16_threads"] > 0
