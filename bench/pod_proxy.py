@@ -7,6 +7,9 @@ names, over the member's Unix socket, where the member checks the token again. T
 (`AgentClient`, mutual TLS, the job's CA) to a member's API served:
 - `direct`: on TCP with mutual TLS, as a pod's lone agent serves it;
 - `proxied`: behind the proxy, as a member of a pod of several is reached.
+And the operator's look at a whole pod of 8 members in a pass: each member's `GetStatus`
+through the proxy, all at once (`per_member`), against the pod's one `GetPodStatus`
+(`pod_call`), which the proxy answers by asking its members at once.
 
 The member is a stand-in that answers a full status message at once (what a real agent's
 `GetStatus` does: it reads its status board), so the figures are the transport's and the hop's.
@@ -43,15 +46,17 @@ from liveshard_agent.server.config import Tls
 from liveshard_agent.server.pod import PodMember, Proxy
 
 TOKEN = "bench-token"
-MEMBER = "w-0"
+POD = "w"
+MEMBERS = [f"{POD}-{k}" for k in range(8)]  # a pod of 8 GPUs
+MEMBER = MEMBERS[0]
 THREADS = 16  # the operator's status fan-out
 
 
-def _status() -> bytes:
+def _status(member: str) -> bytes:
     """A member's status as an agent in a world sends it: its scalars set and its last
     checkpoint."""
     status = pb.AgentStatus(
-        member=MEMBER, phase=pb.AgentStatus.TRAINING, ready=True, epoch=7, step=12345,
+        member=member, phase=pb.AgentStatus.TRAINING, ready=True, epoch=7, step=12345,
         loss=2.345, steps=100000, samples=12345 * 24, state_bytes=3 << 30,
     )  # fmt: skip
     status.last_checkpoint.CopyFrom(
@@ -63,8 +68,8 @@ def _status() -> bytes:
 class Member(grpc.GenericRpcHandler):
     """A member's API reduced to `GetStatus`, answered at once."""
 
-    def __init__(self) -> None:
-        self.answer = _status()
+    def __init__(self, name: str) -> None:
+        self.answer = _status(name)
 
     def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
         if details.method.endswith("/GetStatus"):
@@ -110,6 +115,29 @@ def measure(port: int, tls: ClientTls, count: int) -> dict[str, Any]:
             client.close()
 
 
+def measure_pod(port: int, tls: ClientTls, count: int) -> dict[str, Any]:
+    """A pass's look at the whole pod at `127.0.0.1:port`: its members' calls at once, or its
+    one call; milliseconds per pass."""
+    clients = [AgentClient(m, "127.0.0.1", port, TOKEN, tls=tls) for m in MEMBERS]
+    try:
+        whole = clients[0].pod_status()
+        assert sorted(s.member for s in whole.members) == MEMBERS, whole
+        passes = max(50, count // len(MEMBERS))
+        ways = {
+            "per_member": lambda: fan_out(lambda c: c.status(), clients),
+            "pod_call": clients[0].pod_status,
+        }
+        out: dict[str, Any] = {"members": len(MEMBERS)}
+        for way, look in ways.items():
+            seconds = sorted(_time(look, passes))
+            out[f"{way}_median_ms"] = round(statistics.median(seconds) * 1e3, 3)
+            out[f"{way}_p99_ms"] = round(seconds[int(0.99 * (len(seconds) - 1))] * 1e3, 3)
+        return out
+    finally:
+        for client in clients:
+            client.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=2000, help="calls per measurement")
@@ -126,17 +154,18 @@ def main(argv: list[str] | None = None) -> int:
         return ServingCertificate(Tls(served.cert, served.key, ca.cert))
 
     folder = Path(tempfile.mkdtemp(prefix="liveshard-pod-"))
-    unix = f"unix:{folder / 'member-0.sock'}"
+    members = [PodMember(m, f"unix:{folder / f'{m}.sock'}", 0) for m in MEMBERS]
     direct_port, proxy_port = _free_port(), _free_port()
-    servers = [
-        listen.serve(Member(), TOKEN, f"127.0.0.1:{direct_port}", serving(), 32, "direct"),
-        listen.serve(Member(), TOKEN, unix, None, 32, "member"),
-    ]
-    proxy = Proxy([PodMember(MEMBER, unix, 0)], serving())
+    servers = [listen.serve(Member(m.name), TOKEN, m.address, None, 32, m.name) for m in members]
+    servers.append(
+        listen.serve(Member(MEMBER), TOKEN, f"127.0.0.1:{direct_port}", serving(), 32, "direct")
+    )
+    proxy = Proxy(members, serving())
     servers.append(listen.serve(proxy, TOKEN, f"127.0.0.1:{proxy_port}", serving(), 32, "pod"))
     try:
         direct = measure(direct_port, tls, calls)
         proxied = measure(proxy_port, tls, calls)
+        pod = measure_pod(proxy_port, tls, calls)
     finally:
         proxy.close()
         for server in servers:
@@ -148,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         "direct": direct,
         "proxied": proxied,
         "hop_median_ms": round(proxied["median_ms"] - direct["median_ms"], 3),
+        "pod": pod,
     }
     print(json.dumps(result, indent=1))
     write_json(args.out, result)

@@ -98,6 +98,10 @@ class AgentClient:
     def status(self) -> pb.AgentStatus:
         return self._call("GetStatus", pb.GetStatusRequest())  # type: ignore[return-value]
 
+    def pod_status(self) -> pb.PodStatus:
+        """The status of every member of this member's pod, in one call."""
+        return self._call("GetPodStatus", pb.GetStatusRequest())  # type: ignore[return-value]
+
     def host_store(self, epoch: int) -> tuple[str, int]:
         reply = self._call("HostStore", pb.HostStoreRequest(epoch=epoch))
         address = reply.address  # type: ignore[attr-defined]

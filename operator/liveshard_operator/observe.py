@@ -12,6 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
+import grpc
+
+from liveshard.v1 import agent_pb2 as pb
+
 from .agents import AgentClient, AgentError, ClientTls
 from .kube import Kube
 from .observation import Observation, Pod, gone, node_leaving, pod_of
@@ -29,33 +33,57 @@ def observe(
 ) -> Observation:
     """The job's pods and their members' agents' status; `clients` caches one client per
     member, over mutual TLS (`tls`, read when first needed) to every pod whose agent was given it
-    (a client made with a pair `tls` no longer gives is made again)."""
+    (a client made with a pair `tls` no longer gives is made again). A pod of several members is
+    asked for all of their statuses in one call."""
     leaving_nodes = {n["metadata"]["name"] for n in kube.nodes() if node_leaving(n)}
     raw = kube.pods(namespace, f"{JOB_LABEL}={job}")
-    seen = [(pod, member) for pod in raw for member in pod_members(pod)]
-    for name in set(clients) - {member for _, member in seen}:
+    for name in set(clients) - {member for pod in raw for member in pod_members(pod)}:
         clients.pop(name).close()
 
-    def look(pod: dict[str, Any], member: str) -> Pod:
-        name, ip = pod["metadata"]["name"], (pod.get("status") or {}).get("podIP")
-        agent, error = None, ""
-        if ip and not gone(pod):
-            want = tls() if serves_tls(pod) else None
-            client = clients.get(member)
-            if client is not None and client.tls != want:  # the operator's pair was renewed
-                client.close()
-                client = None
-            if client is None:
-                client = clients[member] = AgentClient(
-                    member, ip, port, token, timeout=3.0, tls=want
-                )
-            try:
-                agent = client.status()
-            except AgentError as err:
-                error = str(err)
-        seen_pod = pod_of(pod, leaving_nodes, agent, error)
-        return seen_pod if member == name else replace(seen_pod, name=member, pod=name)
+    def client(pod: dict[str, Any], member: str, ip: str) -> AgentClient:
+        want = tls() if serves_tls(pod) else None
+        found = clients.get(member)
+        if found is not None and found.tls != want:  # the operator's pair was renewed
+            found.close()
+            found = None
+        if found is None:
+            found = clients[member] = AgentClient(member, ip, port, token, timeout=3.0, tls=want)
+        return found
 
-    with ThreadPoolExecutor(max_workers=min(16, max(len(seen), 1))) as pool:
-        pods = list(pool.map(lambda pair: look(*pair), seen))
+    def statuses(pod: dict[str, Any], members: list[str]) -> dict[str, pb.AgentStatus | str]:
+        """Each member's status, or why there is none."""
+        ip = (pod.get("status") or {}).get("podIP")
+        if not ip or gone(pod):
+            return {m: "" for m in members}
+        calls = [client(pod, m, ip) for m in members]
+        if len(calls) == 1:
+            return {calls[0].member: _status_or_error(calls[0])}
+        try:
+            answer = calls[0].pod_status()
+        except AgentError as err:
+            if err.code is grpc.StatusCode.UNIMPLEMENTED:  # an agent of before the call
+                return {c.member: _status_or_error(c) for c in calls}
+            return {m: str(err) for m in members}
+        found: dict[str, pb.AgentStatus | str] = {s.member: s for s in answer.members}
+        missing = {m: f"agent {m}: {answer.unanswered.get(m, 'no status')}" for m in members}
+        return {m: found[m] if m in found else missing[m] for m in members}
+
+    def look(pod: dict[str, Any]) -> list[Pod]:
+        name, members = pod["metadata"]["name"], pod_members(pod)
+        seen = []
+        for member, found in statuses(pod, members).items():
+            agent, error = (found, "") if isinstance(found, pb.AgentStatus) else (None, found)
+            seen_pod = pod_of(pod, leaving_nodes, agent, error)
+            seen.append(seen_pod if member == name else replace(seen_pod, name=member, pod=name))
+        return seen
+
+    with ThreadPoolExecutor(max_workers=min(16, max(len(raw), 1))) as pool:
+        pods = [p for found in pool.map(look, raw) for p in found]
     return Observation({p.name: p for p in pods})
+
+
+def _status_or_error(client: AgentClient) -> pb.AgentStatus | str:
+    try:
+        return client.status()
+    except AgentError as err:
+        return str(err)

@@ -130,3 +130,7 @@ def test_pod_proxy_benchmark_quick(tmp_path: Path) -> None:
     for timing in (direct, proxied):
         assert 0 < timing["median_ms"] <= timing["p99_ms"]
         assert timing["calls_per_second_16_threads"] > 0
+    pod = report["pod"]
+    assert pod["members"] == 8
+    for way in ("per_member", "pod_call"):
+        assert 0 < pod[f"{way}_median_ms"] <= pod[f"{way}_p99_ms"]

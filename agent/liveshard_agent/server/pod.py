@@ -13,7 +13,8 @@ the pod IP, as a pod's lone agent does. The supervisor serves:
   to that member's agent unparsed, and its answer or status comes back as it is (an UNAVAILABLE
   with the member's name in front: it may be that the member does not answer); but the
   certificate is the pod's: `RotateCertificate` is answered here, and the members' statuses
-  carry its fingerprint;
+  carry its fingerprint; and `GetPodStatus`, which names no member, is answered here with every
+  member's status, asked of all at once (the operator's one call a pass for the pod);
 - `/metrics` on the pod's metrics port: its members' expositions merged family by family.
 
 SIGTERM is passed on to every member (each reports `terminating` and serves until released). The
@@ -67,6 +68,7 @@ log = logging.getLogger(__name__)
 MEMBERS_HOST = "127.0.0.1"  # where the members serve their metrics: inside the pod only
 _SERVICE = pb.DESCRIPTOR.services_by_name["Agent"]
 _GET_STATUS = f"/{_SERVICE.full_name}/GetStatus"
+_GET_POD_STATUS = f"/{_SERVICE.full_name}/GetPodStatus"
 _ROTATE = f"/{_SERVICE.full_name}/RotateCertificate"
 # An agent serves 16 watchers and 16 more calls at once; the proxy holds a thread for each call
 # it forwards.
@@ -76,6 +78,9 @@ _CALLS_PER_MEMBER = 32
 _CHANNEL_OPTIONS = [("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
 # grpc gives a call without a deadline some 2**63 seconds; forwarded, that overflows.
 _NO_DEADLINE = 1e8
+# Seconds of a GetPodStatus call's deadline the proxy keeps from its members' calls, to answer
+# in time with the statuses that came (a quarter of it when it is shorter).
+_POD_STATUS_MARGIN = 0.25
 _METRICS_TIMEOUT = 2.0  # seconds a member has to answer for its metrics
 _STOP_GRACE = 5.0  # seconds for calls in flight when the proxy stops
 _SERVED_POLL = 0.1  # seconds between looks for the members' sockets
@@ -143,6 +148,8 @@ class Proxy(grpc.GenericRpcHandler):
             return None  # UNIMPLEMENTED
         if details.method == _ROTATE:
             return grpc.unary_unary_rpc_method_handler(self._rotate)
+        if details.method == _GET_POD_STATUS:
+            return grpc.unary_unary_rpc_method_handler(self._pod_status)
         if streaming:
             return grpc.unary_stream_rpc_method_handler(partial(self._stream, details.method))
         return grpc.unary_unary_rpc_method_handler(partial(self._unary, details.method))
@@ -170,6 +177,28 @@ class Proxy(grpc.GenericRpcHandler):
         except grpc.RpcError as err:
             if context.is_active():
                 _pass_on(err, member, context)
+
+    def _pod_status(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        """Every member's `GetStatus`, asked of all at once with the caller's metadata and
+        deadline; a member whose call fails is named with its error."""
+        try:
+            pb.GetStatusRequest.FromString(raw)
+        except Exception as err:  # protobuf's DecodeError
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: {err}")
+        timeout, metadata = _remaining(context), _metadata(context)
+        if timeout is not None:  # kept back to answer with the statuses that came
+            timeout -= min(_POD_STATUS_MARGIN, timeout / 4)
+        calls = {}
+        for name, channel in self._channels.items():
+            call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(_GET_STATUS)
+            calls[name] = call.future(raw, timeout=timeout, metadata=metadata)
+        pod = pb.PodStatus()
+        for name, future in calls.items():
+            try:
+                pod.members.append(pb.AgentStatus.FromString(self._stamped(future.result())))
+            except grpc.RpcError as err:
+                pod.unanswered[name] = f"{err.code().name}: {err.details() or ''}"
+        return bytes(pod.SerializeToString())
 
     def _stamped(self, raw: bytes) -> bytes:
         """A member's status with the pod's certificate in it (none in plaintext)."""

@@ -73,6 +73,7 @@ def _serialize(message: Any) -> bytes:
 def handlers(service: AgentService) -> grpc.GenericRpcHandler:
     methods = {
         "GetStatus": _unary("GetStatus", pb.GetStatusRequest, service.get_status),
+        "GetPodStatus": _unary("GetPodStatus", pb.GetStatusRequest, service.get_pod_status),
         "WatchStatus": _stream("WatchStatus", pb.WatchStatusRequest, service.watch_status),
         "HostStore": _unary("HostStore", pb.HostStoreRequest, service.host_store_call),
         "Prepare": _unary("Prepare", pb.PrepareRequest, service.prepare),

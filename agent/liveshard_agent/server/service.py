@@ -97,6 +97,10 @@ class AgentService:
     def get_status(self, _: pb.GetStatusRequest, __: Context) -> pb.AgentStatus:
         return self.board.get().to_proto()
 
+    def get_pod_status(self, request: pb.GetStatusRequest, context: Context) -> pb.PodStatus:
+        """A lone agent's pod holds only it."""
+        return pb.PodStatus(members=[self.get_status(request, context)])
+
     def watch_status(self, _: pb.WatchStatusRequest, context: Context) -> Iterator[pb.AgentStatus]:
         with self._lock:
             if self._watchers >= WATCH_LIMIT:

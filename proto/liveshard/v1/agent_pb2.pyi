@@ -7,6 +7,21 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PodStatus(_message.Message):
+    __slots__ = ("members", "unanswered")
+    class UnansweredEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    UNANSWERED_FIELD_NUMBER: _ClassVar[int]
+    members: _containers.RepeatedCompositeFieldContainer[AgentStatus]
+    unanswered: _containers.ScalarMap[str, str]
+    def __init__(self, members: _Optional[_Iterable[_Union[AgentStatus, _Mapping]]] = ..., unanswered: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
 class Layout(_message.Message):
     __slots__ = ("dp", "tp", "pp", "ep", "zero", "pp_layers", "members", "mirror")
     DP_FIELD_NUMBER: _ClassVar[int]

@@ -39,6 +39,11 @@ class AgentStub:
                 request_serializer=liveshard_dot_v1_dot_agent__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=liveshard_dot_v1_dot_agent__pb2.AgentStatus.FromString,
                 _registered_method=True)
+        self.GetPodStatus = channel.unary_unary(
+                '/liveshard.v1.Agent/GetPodStatus',
+                request_serializer=liveshard_dot_v1_dot_agent__pb2.GetStatusRequest.SerializeToString,
+                response_deserializer=liveshard_dot_v1_dot_agent__pb2.PodStatus.FromString,
+                _registered_method=True)
         self.WatchStatus = channel.unary_stream(
                 '/liveshard.v1.Agent/WatchStatus',
                 request_serializer=liveshard_dot_v1_dot_agent__pb2.WatchStatusRequest.SerializeToString,
@@ -86,6 +91,14 @@ class AgentServicer:
 
     def GetStatus(self, request, context):
         """The agent's state now.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetPodStatus(self, request, context):
+        """The state now of every member the pod holds, in one call (a pod of several members answers
+        for all of them; a lone agent for itself). No member is named: the call is the pod's.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -165,6 +178,11 @@ def add_AgentServicer_to_server(servicer, server):
                     request_deserializer=liveshard_dot_v1_dot_agent__pb2.GetStatusRequest.FromString,
                     response_serializer=liveshard_dot_v1_dot_agent__pb2.AgentStatus.SerializeToString,
             ),
+            'GetPodStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPodStatus,
+                    request_deserializer=liveshard_dot_v1_dot_agent__pb2.GetStatusRequest.FromString,
+                    response_serializer=liveshard_dot_v1_dot_agent__pb2.PodStatus.SerializeToString,
+            ),
             'WatchStatus': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchStatus,
                     request_deserializer=liveshard_dot_v1_dot_agent__pb2.WatchStatusRequest.FromString,
@@ -233,6 +251,33 @@ class Agent:
             '/liveshard.v1.Agent/GetStatus',
             liveshard_dot_v1_dot_agent__pb2.GetStatusRequest.SerializeToString,
             liveshard_dot_v1_dot_agent__pb2.AgentStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPodStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/liveshard.v1.Agent/GetPodStatus',
+            liveshard_dot_v1_dot_agent__pb2.GetStatusRequest.SerializeToString,
+            liveshard_dot_v1_dot_agent__pb2.PodStatus.FromString,
             options,
             channel_credentials,
             insecure,

@@ -76,6 +76,7 @@ def test_calls_without_the_token_are_refused_and_change_nothing(
     """The shared agent process (1): every call without a valid token ends UNAUTHENTICATED."""
     calls = [
         ("GetStatus", pb.GetStatusRequest()),
+        ("GetPodStatus", pb.GetStatusRequest()),
         ("HostStore", pb.HostStoreRequest(epoch=0)),
         ("Prepare", first_world()),
         ("Checkpoint", pb.CheckpointRequest(number=1, path="/tmp/x")),
@@ -127,6 +128,11 @@ def test_garbage_gets_an_error_and_the_agent_keeps_serving(agent: Agent) -> None
     assert err is not None and err.code() == Code.INVALID_ARGUMENT and "to: required" in str(err)
     err = raw_call(agent, "NoSuchMethod", b"")
     assert err is not None and err.code() == Code.UNIMPLEMENTED
+    err = raw_call(agent, "GetPodStatus", b"\xff\xff\xff\xff")
+    assert err is not None and err.code() == Code.INVALID_ARGUMENT, err
+    # A lone agent's pod holds only it.
+    pod = agent.call("GetPodStatus", pb.GetStatusRequest())
+    assert [s.member for s in pod.members] == [agent.member] and not pod.unanswered
     standing_by(agent)
 
 

@@ -15,13 +15,17 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
 pytest.importorskip("torch", reason="the pod's members are agents, which need torch")
 
-from liveshard_operator import pki
+from liveshard_operator import pki, render
+from liveshard_operator.agents import AgentClient, ClientTls
+from liveshard_operator.observation import Observation
+from liveshard_operator.observe import observe
 from prometheus_client.parser import text_string_to_metric_families
 
 from liveshard.v1 import agent_pb2 as pb
@@ -137,6 +141,22 @@ def test_each_member_answers_through_the_pods_port(pod: Agent) -> None:
     rotate = pb.RotateCertificateRequest(cert=b"x", key=b"y")
     err = pod.refused("RotateCertificate", rotate, metadata=metadata(MEMBERS[0]))
     assert err.code() == Code.FAILED_PRECONDITION and "plaintext" in (err.details() or ""), err
+    # The pod's status: every member's in one call that names none; a member that does not
+    # answer in time is named with its error, the others' statuses come back.
+    whole = pod.call("GetPodStatus", pb.GetStatusRequest(), metadata=metadata(None))
+    assert sorted(s.member for s in whole.members) == MEMBERS and not whole.unanswered
+    assert all(s.ready for s in whole.members)
+    stopped = member_pids(pod.proc.pid)[MEMBERS[1]]
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        part = pod.call("GetPodStatus", pb.GetStatusRequest(), metadata=metadata(None), timeout=2)
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+    assert [s.member for s in part.members] == MEMBERS[:1], part
+    assert list(part.unanswered) == MEMBERS[1:], part
+    assert part.unanswered[MEMBERS[1]].startswith("DEADLINE_EXCEEDED"), part
+    err = pod.refused("GetPodStatus", pb.GetStatusRequest(), metadata=metadata(None, "wrong"))
+    assert err.code() == Code.UNAUTHENTICATED, err
     # A member's own refusal comes back as it gave it.
     err = pod.refused("Release", pb.ReleaseRequest(saved=-1), metadata=metadata(MEMBERS[1]))
     assert err.code() == Code.INVALID_ARGUMENT and "saved=-1" in (err.details() or ""), err
@@ -164,8 +184,58 @@ def test_the_pods_metrics_merge_its_members(pod: Agent) -> None:
     assert all(s.value == 1 for s in phase.samples if s.labels["phase"] == "standby")
 
 
+class _PodList:
+    """The API server's answer to the operator's reads: the one pod, on no leaving node."""
+
+    def __init__(self, pod: dict[str, Any]) -> None:
+        self.pod = pod
+
+    def nodes(self) -> list[dict[str, Any]]:
+        return []
+
+    def pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        return [self.pod]
+
+
+def test_the_operator_sees_a_pods_members_in_one_call(pod: Agent) -> None:
+    """The shared pod (3): the operator's `observe` over it (the pod object as the API server
+    lists it) sees both members with their own statuses; with one stopped, the other still and
+    the stopped one not answering, by name."""
+    body = {
+        "metadata": {"name": POD, "annotations": {render.MEMBERS_ANNOTATION: "2"}},
+        "spec": {"containers": [{"name": "agent"}]},
+        "status": {"podIP": HOST, "phase": "Running"},
+    }
+    clients: dict[str, AgentClient] = {}
+
+    def look() -> Observation:
+        def no_tls() -> ClientTls:
+            raise AssertionError("a plaintext pod needs no certificates")
+
+        return observe(_PodList(body), "ns", "tiny", TOKEN, pod.port, clients, no_tls)  # type: ignore[arg-type]
+
+    try:
+        seen = look()
+        assert sorted(seen.pods) == MEMBERS
+        for member in MEMBERS:
+            found = seen.pods[member]
+            assert found.pod == POD and found.agent is not None and found.agent.member == member
+        stopped = member_pids(pod.proc.pid)[MEMBERS[1]]
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            part = look()
+        finally:
+            os.kill(stopped, signal.SIGCONT)
+        assert part.pods[MEMBERS[0]].agent is not None
+        assert part.pods[MEMBERS[1]].agent is None
+        assert part.pods[MEMBERS[1]].error.startswith(f"agent {MEMBERS[1]}: DEADLINE_EXCEEDED")
+    finally:
+        for client in clients.values():
+            client.close()
+
+
 def test_sigterm_reaches_every_member_and_a_member_that_dies_ends_the_pod(pod: Agent) -> None:
-    """The shared pod (3, last): SIGTERM marks both members terminating; a member killed ends
+    """The shared pod (4, last): SIGTERM marks both members terminating; a member killed ends
     the pod: the other is killed with it, and the supervisor exits with the dead one's status."""
     pod.signal(signal.SIGTERM)
     for member in MEMBERS:
@@ -215,6 +285,8 @@ def test_a_tls_pod_takes_only_the_jobs_client_certificates(tmp_path: Path) -> No
         for member in MEMBERS:
             status = pod.call("GetStatus", pb.GetStatusRequest(), metadata=metadata(member))
             assert status.serving_certificate == pki.fingerprint(renewed.cert)
+        whole = pod.call("GetPodStatus", pb.GetStatusRequest(), metadata=metadata(None))
+        assert {s.serving_certificate for s in whole.members} == {pki.fingerprint(renewed.cert)}
         # A new connection's handshake gets the renewed certificate.
         with socket.create_connection((HOST, pod.port), timeout=10) as raw:
             context = ssl.create_default_context(cadata=ca.cert.decode())
