@@ -15,14 +15,13 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
 
 pytest.importorskip("torch", reason="the pod's members are agents, which need torch")
 
-from liveshard_operator import pki, render
+from liveshard_operator import pki
 from liveshard_operator.agents import AgentClient, ClientTls
 from liveshard_operator.observation import Observation
 from liveshard_operator.observe import observe
@@ -34,6 +33,7 @@ from liveshard_agent.server.config import TLS_VARIABLES, ConfigError, load
 from liveshard_agent.server.pod import PodMember, member_env
 from liveshard_core.job import MEMBER_KEY
 from liveshard_e2e.testing import member_pids
+from tests.helpers import OnePod, pod_body
 
 from .agents import AGENT, HOST, TOKEN, WAIT, Agent, agent_env
 
@@ -184,35 +184,18 @@ def test_the_pods_metrics_merge_its_members(pod: Agent) -> None:
     assert all(s.value == 1 for s in phase.samples if s.labels["phase"] == "standby")
 
 
-class _PodList:
-    """The API server's answer to the operator's reads: the one pod, on no leaving node."""
-
-    def __init__(self, pod: dict[str, Any]) -> None:
-        self.pod = pod
-
-    def nodes(self) -> list[dict[str, Any]]:
-        return []
-
-    def pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
-        return [self.pod]
-
-
 def test_the_operator_sees_a_pods_members_in_one_call(pod: Agent) -> None:
     """The shared pod (3): the operator's `observe` over it (the pod object as the API server
     lists it) sees both members with their own statuses; with one stopped, the other still and
     the stopped one not answering, by name."""
-    body = {
-        "metadata": {"name": POD, "annotations": {render.MEMBERS_ANNOTATION: "2"}},
-        "spec": {"containers": [{"name": "agent"}]},
-        "status": {"podIP": HOST, "phase": "Running"},
-    }
+    body = pod_body(POD, 2, HOST)
     clients: dict[str, AgentClient] = {}
 
     def look() -> Observation:
         def no_tls() -> ClientTls:
             raise AssertionError("a plaintext pod needs no certificates")
 
-        return observe(_PodList(body), "ns", "tiny", TOKEN, pod.port, clients, no_tls)  # type: ignore[arg-type]
+        return observe(OnePod(body), "ns", "tiny", TOKEN, pod.port, clients, no_tls)  # type: ignore[arg-type]
 
     try:
         seen = look()
