@@ -176,9 +176,11 @@ def _quota(kube: Kube, pods: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def test_kueue_admits_the_workers_it_has_quota_for_and_the_job_grows_with_the_quota(
+def test_kueue_admits_the_workers_it_has_quota_for_grows_the_job_and_preempts_one_live(
     kueue: Kube,
 ) -> None:
+    """Quota for 3 of 4 workers: the job trains with 3, grows to 4 once the quota does, then
+    loses one to a preemption and takes it back (`_preempted_and_taken_back`)."""
     kube = kueue
     body = job(4, minReplicas=2)
     body["spec"]["template"].setdefault("metadata", {}).setdefault("labels", {})[QUEUE_LABEL] = (
@@ -207,23 +209,15 @@ def test_kueue_admits_the_workers_it_has_quota_for_and_the_job_grows_with_the_qu
     wait_until(lambda: not any(p["spec"].get("schedulingGates")
                                for p in kube.pods("liveshard.io/job=tiny")),
                30, "no worker gated")  # fmt: skip
+    _preempted_and_taken_back(kube, steps, grown)
 
 
-def test_a_worker_kueue_preempts_is_drained_live_and_the_job_grows_back_once_it_may(
-    kueue: Kube, tmp_path: Path
-) -> None:
-    """A pod of a higher priority in the same queue, with no quota left: Kueue evicts one worker
-    (deletes its pod). The job drains that member live and trains on without it, its
-    replacement waits gated; once the preemptor is gone, Kueue admits it and the job grows back."""
-    kube = kueue
-    body = job(3, minReplicas=2)
-    body["spec"]["template"].setdefault("metadata", {}).setdefault("labels", {})[QUEUE_LABEL] = (
-        "team"
-    )
-    kube.apply(body)
-    steps = Steps(kube)
-    first = steps.wait(lambda s: training(3)(s) and s.get("step", 0) >= 2, "training with 3",
-                       STARTUP)  # fmt: skip
+def _preempted_and_taken_back(kube: Kube, steps: Steps, first: dict[str, Any]) -> None:
+    """A pod of a higher priority comes to the full queue: Kueue evicts one of the job's
+    `replicas` workers (deletes its pod). The job drains that member live and trains on without
+    it, its replacement waits gated; once the preemptor is gone, Kueue admits it and the job
+    grows back."""
+    replicas = first["replicas"]
     high = f"high-{kube.namespace}"
     kube.apply({"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass",
                 "metadata": {"name": high}, "value": 1000})  # fmt: skip
@@ -239,8 +233,8 @@ def test_a_worker_kueue_preempts_is_drained_live_and_the_job_grows_back_once_it_
     try:
         kube.apply(preemptor)
         shrunk = steps.wait(
-            lambda s: short_of(2)(s) and s.get("epoch", 0) > first["epoch"],
-            "training with 2 once Kueue preempted a worker",
+            lambda s: short_of(replicas - 1)(s) and s.get("epoch", 0) > first["epoch"],
+            "training with one worker less once Kueue preempted one",
         )  # fmt: skip
         last = shrunk["lastReconfiguration"]
         assert last["result"] == "committed", last  # a drain, not a recovery from a loss
@@ -249,9 +243,9 @@ def test_a_worker_kueue_preempts_is_drained_live_and_the_job_grows_back_once_it_
         wait_until(lambda: (kube.get(f"/api/v1/namespaces/{kube.namespace}/pods/preemptor")
                             or {}).get("status", {}).get("phase") == "Running",
                    60, "the preemptor running")  # fmt: skip
-        steps.wait(lambda s: s.get("step", 0) > shrunk["step"], "training on with 2")
+        steps.wait(lambda s: s.get("step", 0) > shrunk["step"], "training on without it")
         kube.kubectl("delete", "pod", "preemptor", "--grace-period=0", "--force")
-        grown = steps.wait(training(3, shrunk["epoch"] + 1), "grown back to 3", STARTUP)
+        grown = steps.wait(training(replicas, shrunk["epoch"] + 1), "grown back", STARTUP)
         assert grown["lastReconfiguration"]["result"] == "committed"
         # The data cursor of every member is where its step says: no sample lost or repeated.
         pods, secret = members(kube), token(kube)
