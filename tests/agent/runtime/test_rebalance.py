@@ -5,7 +5,6 @@ switches (`test_training`'s baseline and tolerance)."""
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from typing import Any
 
 import pytest
@@ -65,11 +64,12 @@ def test_frozen_layers_cost_less_and_the_job_packs_onto_fewer_members() -> None:
     events = run_job(rebalancing("pp=4", settings, settings=frozen))
     steps = [e for e in events if e["event"] == "step"]
     assert [e["step"] for e in steps] == list(range(20))  # it trains on to its end
-    # The three frozen layers run no backward: each costs less than the one that trains.
+    # The three frozen layers run no backward: each costs less than the one that trains. Each
+    # layer's fastest step is compared: 4 processes share 2 cores, and a busy core only adds time.
     measured = [e["layer_seconds"] for e in steps[4:] if e["layout"].endswith("1:1:1:1")]
     assert measured, "the first switch came before any frozen step was measured"
-    median = [statistics.median(s[i] for s in measured) for i in range(4)]
-    assert max(median[:3]) < 0.8 * median[3], median
+    fastest = [min(s[i] for s in measured) for i in range(4)]
+    assert max(fastest[:3]) < 0.8 * fastest[3], measured
     packs = [s for s in switches(events) if s["trigger"] == "pack"]
     assert packs and all(s["result"] == "committed" for s in packs)
     released = [m for s in packs for m in s["released"]]
