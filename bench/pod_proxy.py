@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -44,6 +43,7 @@ from liveshard_agent.server import listen
 from liveshard_agent.server.certs import ServingCertificate
 from liveshard_agent.server.config import Tls
 from liveshard_agent.server.pod import PodMember, Proxy
+from liveshard_e2e.procs import free_port
 
 TOKEN = "bench-token"
 POD = "w"
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
     folder = Path(tempfile.mkdtemp(prefix="liveshard-pod-"))
     members = [PodMember(m, f"unix:{folder / f'{m}.sock'}", 0) for m in MEMBERS]
-    direct_port, proxy_port = _free_port(), _free_port()
+    direct_port, proxy_port = free_port(), free_port()
     servers = [listen.serve(Member(m.name), TOKEN, m.address, None, 32, m.name) for m in members]
     servers.append(
         listen.serve(Member(MEMBER), TOKEN, f"127.0.0.1:{direct_port}", serving(), 32, "direct")
@@ -182,12 +182,6 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(result, indent=1))
     write_json(args.out, result)
     return 0
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 if __name__ == "__main__":
