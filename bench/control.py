@@ -25,8 +25,10 @@ For each size, in one run:
 - the operator's memory: its process's peak resident set, against before the job.
 
 Passes run as the operator's job loop runs them: at once when the job or one of its pods
-changed since the last pass began (what its watches wake it for), else 2 s after the last one
-(`handlers.PERIOD`). An agent's status changing wakes nothing: the next pass sees it.
+changed since the last pass began (what its watches wake it for), but for the pass's own write
+while a reconfiguration is in flight; then, until the next pass, the wait follows one member of
+it (`sentinel`) and ends when that member's verdict changes; else 2 s after the last pass
+(`handlers.PERIOD`). Any other agent's status changing wakes nothing: the next pass sees it.
 
     python bench/control.py [--members 64 256 1024] [--out bench/results/control.json]
     python bench/control.py --no-resolver    # the store connects' name lookups fail at once
@@ -90,6 +92,10 @@ class SimKube(Kube):
         self.objects: dict[str, dict[str, Any]] = {}  # by path
         self.requests: Counter[str] = Counter()
         self.version = 0
+        # The versions written since the last pass began, and whether there are any: what the
+        # watches wake a job's loop for (`until` takes out the loop's own quiet write).
+        self.news: set[str] = set()
+        self.changed = threading.Event()
         self.lock = threading.Lock()
         self.farms = farms
         self.ips = (f"127.{1 + i // 250 // 250}.{i // 250 % 250}.{1 + i % 250}"
@@ -142,7 +148,7 @@ class SimKube(Kube):
             if wanted is not None and wanted != obj["metadata"].get("resourceVersion"):
                 raise ApiError(method, path, 409, "the object has been modified")
             self.put(path.removesuffix("/status"), merge_patch(obj, body))
-            return None
+            return self.objects[path.removesuffix("/status")]
         raise ApiError(method, path, 405, "not served by the stand-in")
 
     def put(self, path: str, obj: dict[str, Any]) -> None:
@@ -156,6 +162,8 @@ class SimKube(Kube):
         obj["metadata"]["resourceVersion"] = str(self.version)
         obj["metadata"].setdefault("creationTimestamp", "2026-01-01T00:00:00Z")
         self.objects[path] = obj
+        self.news.add(str(self.version))
+        self.changed.set()
 
     def _kubelet(self, path: str) -> None:
         """Start the pod's agent, then show it Running with its IP."""
@@ -231,21 +239,29 @@ def training(kube: SimKube, members: int) -> bool:
 def until(kube: SimKube, controller: JobController, calls: Calls, members: int,
           limit: float) -> dict[str, Any]:  # fmt: skip
     """Run passes as the operator's job loop does until a world of `members` is committed:
-    at once when the job or a pod changed since the last pass began (the watch wakes the loop),
-    else `PERIOD` after it; what it took."""
+    at once when the job or a pod changed since the last pass began (the watch wakes the loop)
+    but for the pass's own quiet write, else when the member the wait follows has news
+    (`sentinel`), else `PERIOD` after it; what it took."""
     requests, agent_calls = Counter(kube.requests), Counter(calls.count)
     start, cpu, wall = time.perf_counter(), time.process_time(), time.time()
-    passes, pass_seconds, seen, began = 0, [], -1, start
+    passes, pass_seconds, began = 0, [], start
+    kube.changed.set()
     while not training(kube, members):
-        while kube.version == seen and time.perf_counter() - began < PERIOD:
-            time.sleep(0.005)
+        controller.wait(kube.changed, max(0.0, PERIOD - (time.perf_counter() - began)))
         if time.perf_counter() - start > limit:
             job = kube.job()
             raise RuntimeError(
                 f"no world of {members} after {limit} s: {json.dumps(job.get('status'))[:2000]}"
             )
-        began, seen = time.perf_counter(), kube.version
+        began = time.perf_counter()
+        with kube.lock:
+            kube.news.clear()
+            kube.changed.clear()
         controller.reconcile()
+        with kube.lock:  # the pass's own quiet write wakes nothing (`JobLoop.own_write`)
+            kube.news.discard(controller.executor.quiet or "")
+            if not kube.news:
+                kube.changed.clear()
         pass_seconds.append(time.perf_counter() - began)
         passes += 1
     return {

@@ -94,12 +94,18 @@ class Executor:
     # The job's resourceVersion as the pass read it (the controller sets it): the status is
     # written over that version only, and a job changed since ends the pass (`kube.Stale`).
     observed: str | None = None
+    # The job's version that the last pass's write made when it left a reconfiguration in
+    # flight: its watch event need not wake the job's loop, whose wait then follows a member of
+    # that reconfiguration (`sentinel`) and wakes when that member has news.
+    quiet: str | None = None
 
-    def write(self, status: dict[str, Any]) -> None:
-        self.kube.patch_job_status(self.namespace, self.name, status, self.observed)
+    def write(self, status: dict[str, Any]) -> str:
+        """Write the pass's status; the job's version after it."""
+        return self.kube.patch_job_status(self.namespace, self.name, status, self.observed)
 
-    def run(self, decision: Decision) -> None:
-        """Carry out `decision` (see the module's docstring for the order)."""
+    def run(self, decision: Decision) -> Decision:
+        """Carry out `decision` (see the module's docstring for the order); the decision carried
+        out (a reconfiguration's begin recorded once its store is hosted)."""
         aborts = [a for a in decision.before if isinstance(a, AbortOn)]
         overtaking = [r for r in fan_out(self._abort, aborts) if r is not None]
         if overtaking and decision.unaborted is not None:
@@ -108,12 +114,14 @@ class Executor:
             if not isinstance(action, AbortOn):
                 self._do(decision, action)
         decision = self._answer(decision)
-        self.write(decision.status)
+        written = self.write(decision.status)
+        self.quiet = written if decision.record.in_flight is not None else None
         calls = [a for a in decision.after if isinstance(a, Prepare | ReleaseMember | CommitOn)]
         fan_out(lambda action: self._do(decision, action), calls)
         for action in decision.after:
             if action not in calls:
                 self._do(decision, action)
+        return decision
 
     def _answer(self, decision: Decision) -> Decision:
         ask = decision.ask

@@ -102,6 +102,13 @@ class AgentClient:
         """The status of every member of this member's pod, in one call."""
         return self._call("GetPodStatus", pb.GetStatusRequest())  # type: ignore[return-value]
 
+    def watch(self, seconds: float) -> Any:
+        """The member's status now, then on every change, for `seconds`: a stream of
+        `AgentStatus` (iterate it; `cancel` ends it; a failure raises `grpc.RpcError`)."""
+        return self.stub.WatchStatus(
+            pb.WatchStatusRequest(), timeout=seconds, metadata=self.metadata
+        )
+
     def host_store(self, epoch: int) -> tuple[str, int]:
         reply = self._call("HostStore", pb.HostStoreRequest(epoch=epoch))
         address = reply.address  # type: ignore[attr-defined]

@@ -15,12 +15,13 @@ it again.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
 from liveshard_core.errors import InvalidInput
 
-from . import publish
+from . import publish, sentinel
 from .act import Executor
 from .agents import AgentClient, AgentError, fan_out
 from .conditions import Conditions
@@ -50,6 +51,9 @@ class JobController:
         self.executor = Executor(kube, namespace, name, events, self.clients)
         self.metrics = metrics or Metrics()  # the operator's, or one of its own nobody serves
         self.job = f"{namespace}/{name}"  # its `job` label
+        # The member of a reconfiguration in flight that the wait after the pass follows: None
+        # when nothing is in flight, or no member can be followed.
+        self.watched: sentinel.Follow | None = None
 
     def discard(self) -> None:
         """The job is gone: tell every agent a pass reached to drop its state and exit, so that
@@ -73,6 +77,11 @@ class JobController:
         self.clients.clear()
         self.metrics.forget(self.job)
 
+    def wait(self, wake: threading.Event, seconds: float) -> None:
+        """The wait after a pass: until `wake` is set or `seconds` passed, or, while a
+        reconfiguration is in flight, its watched member's verdict changed (`sentinel`)."""
+        sentinel.wait(wake, seconds, self.watched)
+
     def reconcile(self) -> bool:
         """One pass, timed; False once the job is gone."""
         with self.metrics.timing(self.job):
@@ -82,6 +91,7 @@ class JobController:
         return alive
 
     def _reconcile(self) -> bool:
+        self.watched = None
         body = self.kube.get_job(self.namespace, self.name)
         if body is None:
             return False
@@ -118,7 +128,8 @@ class JobController:
         record = Record.from_status(status)
         # The time is read once, after observing, so that every rule of the pass sees the same.
         decision = decide(seen, record, Job(body, spec, model), time.time())
-        self.executor.run(decision)
+        plan = self.executor.run(decision).record.in_flight
+        self.watched = sentinel.follow(plan, seen, self.clients) if plan else None
         # As decided: a reconfiguration this pass begins counts as in flight from the next pass.
         self.metrics.decided(self.job, decision)
         return True

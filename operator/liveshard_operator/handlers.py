@@ -62,10 +62,19 @@ class JobLoop:
         self.namespace, self.name, self.uid = namespace, name, uid
         self.wake, self.stopped = threading.Event(), threading.Event()
         self.gone = False  # the job was deleted: its agents are discarded as the loop ends
+        self.controller: JobController | None = None  # once the thread runs
         context = contextvars.copy_context()
         self.thread = threading.Thread(
             target=context.run, args=(self._run,), name=f"job {namespace}/{name}", daemon=True
         )
+
+    def own_write(self, version: str | None) -> bool:
+        """Whether `version` of the job is the one its last pass wrote while leaving a
+        reconfiguration in flight: the wait after that pass follows a member of it, so the
+        write's watch event wakes nothing (a pass that wakes itself at every write would run
+        back to back through a whole reconfiguration, asking every agent each time)."""
+        quiet = self.controller.executor.quiet if self.controller is not None else None
+        return version is not None and version == quiet
 
     def stop(self, gone: bool = False) -> None:
         """End the loop; `gone`: because the job was deleted (or replaced), so its agents are
@@ -75,7 +84,9 @@ class JobLoop:
         self.wake.set()
 
     def _run(self) -> None:
-        controller = JobController(api(), self.namespace, self.name, _post_event, METRICS)
+        controller = self.controller = JobController(
+            api(), self.namespace, self.name, _post_event, METRICS
+        )
         try:
             while not self.stopped.is_set():
                 self.wake.clear()
@@ -87,7 +98,7 @@ class JobLoop:
                     except Exception as err:  # a failed pass is logged and retried, never fatal
                         log.exception("reconcile of %s/%s failed: %s", self.namespace, self.name,
                                       err)  # fmt: skip
-                self.wake.wait(PERIOD)
+                controller.wait(self.wake, PERIOD)
         finally:
             if self.gone and leading():
                 controller.discard()
@@ -98,9 +109,13 @@ class JobLoop:
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-def job_changed(*, type: str | None, name: str, namespace: str | None, uid: str, **_: Any) -> None:
+def job_changed(
+    *, type: str | None, name: str, namespace: str | None, uid: str, body: Mapping[str, Any],
+    **_: Any,
+) -> None:  # fmt: skip
     """Start the job's loop when the watch first lists or sees it, wake it on any change (its
-    spec scaled, say), stop it when the job is deleted or replaced by one of the same name."""
+    spec scaled, say) but its own quiet writes (`JobLoop.own_write`), stop it when the job is
+    deleted or replaced by one of the same name."""
     assert namespace is not None  # the resource is namespaced
     key = (namespace, name)
     with _lock:
@@ -114,7 +129,8 @@ def job_changed(*, type: str | None, name: str, namespace: str | None, uid: str,
         if loop is None:
             loop = _loops[key] = JobLoop(namespace, name, uid)
             loop.thread.start()
-    loop.wake.set()
+    if not loop.own_write((body.get("metadata") or {}).get("resourceVersion")):
+        loop.wake.set()
 
 
 @kopf.on.event("pods", labels={JOB_LABEL: kopf.PRESENT})

@@ -23,7 +23,7 @@ from . import rebalance
 from .actions import AbortOn, CommitOn, DeletePod, Event, EventType, ReleaseMember
 from .decision import Draft, prepares
 from .messages import cause_of, result_of
-from .observation import trains_in
+from .observation import Observation, trains_in
 from .publish import Failure, Summary
 from .world import InFlight
 
@@ -50,6 +50,38 @@ def _gave_up(agent: pb.AgentStatus, epoch: int) -> bool:
         and result_of(switch) is Result.ABORTED
     )
     return aborted or _pending_in(agent, epoch, pb.Pending.FAILED)
+
+
+Verdict = tuple[bool, bool, bool, bool]
+
+
+def verdict(agent: pb.AgentStatus, epoch: int) -> Verdict:
+    """What of an agent's status `progress` acts on in `epoch`'s reconfiguration: whether it
+    trains in the epoch, has given its account of the switch, gave up or could not read the
+    decision, and whether its world broke or it failed."""
+    return (
+        trains_in(agent, epoch),
+        agent.last_switch.epoch == epoch,
+        _gave_up(agent, epoch) or _pending_in(agent, epoch, pb.Pending.UNDECIDED),
+        agent.phase in (pb.AgentStatus.BROKEN, pb.AgentStatus.FAILED),
+    )
+
+
+_SETTLED = (True, True, False, False)  # switched, and said how
+
+
+def watched_member(plan: InFlight, seen: Observation) -> tuple[str, Verdict] | None:
+    """The member of `plan`'s new world whose verdict the loop follows until its next pass, and
+    its verdict as seen: the first one seen that has not settled. The members act on one
+    decision, so when its verdict changes, the others' change with it."""
+    for member in plan.new.members:
+        pod = seen.pods.get(member)
+        if pod is None or pod.agent is None or pod.gone:
+            continue
+        found = verdict(pod.agent, plan.epoch)
+        if found != _SETTLED:
+            return member, found
+    return None
 
 
 def _refusing(plan: InFlight, agents: dict[str, pb.AgentStatus]) -> list[str]:

@@ -171,10 +171,11 @@ class Kube(JsonApi):
         name: str,
         status: dict[str, Any],
         resource_version: str | None = None,
-    ) -> None:
+    ) -> str:
         """Merge `status` into the job's; with `resource_version`, only over that version of the
-        job (the API server answers 409, raised as `Stale`, when the job changed since)."""
-        self._patch_job(namespace, name, "/status", {"status": status}, resource_version)
+        job (the API server answers 409, raised as `Stale`, when the job changed since). The
+        job's version after it."""
+        return self._patch_job(namespace, name, "/status", {"status": status}, resource_version)
 
     def remove_job_finalizer(self, job: dict[str, Any], finalizer: str) -> None:
         """Take `finalizer` off the job, over the version of it read (`Stale` when it changed)."""
@@ -190,17 +191,18 @@ class Kube(JsonApi):
         subresource: str,
         body: dict[str, Any],
         resource_version: str | None,
-    ) -> None:
+    ) -> str:
         if resource_version is not None:
             body = {**body, "metadata": {**body.get("metadata", {}),
                                          "resourceVersion": resource_version}}  # fmt: skip
         path = self.job_path(namespace, name) + subresource
         try:
-            self.request("PATCH", path, body, content_type=MERGE)
+            answer = self.request("PATCH", path, body, content_type=MERGE)
         except ApiError as err:
             if err.status == 409 and resource_version is not None:
                 raise Stale("PATCH", path, err.status, err.body) from None
             raise
+        return str(((answer or {}).get("metadata") or {}).get("resourceVersion") or "")
 
     def pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
         answer = self.request(

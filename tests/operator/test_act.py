@@ -41,9 +41,10 @@ class FakeKube:
 
     def patch_job_status(
         self, namespace: str, name: str, status: dict[str, Any], version: str | None = None
-    ) -> None:
+    ) -> str:
         self.calls.append(("status", status))
         self.versions.append(version)
+        return f"written-{len(self.versions)}"
 
     def remove_job_finalizer(self, job: dict[str, Any], finalizer: str) -> None:
         self.calls.append(("unfinalize", finalizer))
@@ -243,7 +244,7 @@ class Changed(FakeKube):
 
     def patch_job_status(
         self, namespace: str, name: str, status: dict[str, Any], version: str | None = None
-    ) -> None:
+    ) -> str:
         super().patch_job_status(namespace, name, status, version)
         raise Stale("PATCH", "/apis/liveshard.io/.../status", 409, '{"reason":"Conflict"}')
 
@@ -262,21 +263,30 @@ def test_the_status_is_written_over_the_version_read_and_a_changed_job_ends_the_
         # Refused, the pass stops at the write: no Prepare goes out for an unrecorded epoch.
         assert kinds(kube.calls)[:2] == ["host_store p0", "status"]
         assert any(call[0] == "prepare" for call in kube.calls) is after
+        # Written with the reconfiguration in flight: the write's watch event wakes nothing.
+        assert controller.executor.quiet == ("written-1" if after else None)
 
 
 def test_the_status_patch_names_the_version_read_and_a_409_on_it_is_stale() -> None:
     sent: Calls = []
 
     class Server(Kube):
+        conflict = True
+
         def request(self, method: str, path: str, body: Any = None, **_: Any) -> Any:
             sent.append((method, path, body))
-            raise ApiError(method, path, 409, '{"reason":"Conflict"}')
+            if self.conflict:
+                raise ApiError(method, path, 409, '{"reason":"Conflict"}')
+            return {**body, "metadata": {"resourceVersion": "42"}}
 
+    server = Server("https://api")
     with pytest.raises(Stale):
-        Server("https://api").patch_job_status("ns", "tiny", {"phase": "Running"}, "41")
+        server.patch_job_status("ns", "tiny", {"phase": "Running"}, "41")
     path = "/apis/liveshard.io/v1alpha1/namespaces/ns/elastictrainingjobs/tiny/status"
     body = {"status": {"phase": "Running"}, "metadata": {"resourceVersion": "41"}}
     assert sent == [("PATCH", path, body)]
+    server.conflict = False  # written: the job's version after the write is returned
+    assert server.patch_job_status("ns", "tiny", {"phase": "Running"}, "41") == "42"
 
 
 def test_a_finalizer_left_by_an_earlier_operator_is_taken_off() -> None:

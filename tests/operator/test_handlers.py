@@ -1,6 +1,7 @@
 """The handlers' job loops (one thread each, no kopf daemon): a standby keeps its loops idle and
 runs them once it leads; a deleted job's loop stops and discards the job's agents, one the
-operator's shutdown stops does not. The controller is a stand-in that counts its passes.
+operator's shutdown stops does not; a loop's own write of a job with a reconfiguration in flight
+does not wake it. The controller is a stand-in that counts its passes.
 
 The discard itself (a real agent process dropping its state and exiting, whatever it is doing) is
 tested in `tests/agent/server/test_flow.py`, and a deleted job's pods ending at once on the local
@@ -9,6 +10,7 @@ cluster in `tests/e2e/test_operator.py`."""
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import pytest
@@ -16,18 +18,25 @@ from liveshard_operator import handlers
 
 
 class Passes:
-    """A controller that counts its passes."""
+    """A controller that counts its passes; each writes the job's version `written`, quietly
+    (`executor.quiet`) when `quiet`."""
 
     count = 0
     closed = threading.Event()
     discarded: ClassVar[list[str]] = []
+    written, quiet = "7", False
 
     def __init__(self, _: Any, namespace: str, name: str, *__: Any) -> None:
         self.name = name
+        self.executor = SimpleNamespace(quiet=None)
 
     def reconcile(self) -> bool:
         Passes.count += 1
+        self.executor.quiet = Passes.written if Passes.quiet else None
         return True
+
+    def wait(self, wake: threading.Event, seconds: float) -> None:
+        wake.wait(seconds)
 
     def discard(self) -> None:
         Passes.discarded.append(self.name)
@@ -54,10 +63,10 @@ def test_a_standby_runs_no_pass_until_it_leads_and_a_deleted_job_stops_its_loop(
     monkeypatch.setattr(handlers, "JobController", Passes)
     monkeypatch.setattr(handlers, "api", lambda: None)
     monkeypatch.setattr(handlers, "ELECTOR", lease)
-    handlers.job_changed(type=None, name="tiny", namespace="ns", uid="u-1")
+    handlers.job_changed(type=None, name="tiny", namespace="ns", uid="u-1", body={})
     loop = handlers.loop_of("ns", "tiny")
     assert loop is not None
-    handlers.job_changed(type="MODIFIED", name="tiny", namespace="ns", uid="u-1")
+    handlers.job_changed(type="MODIFIED", name="tiny", namespace="ns", uid="u-1", body={})
     assert handlers.loop_of("ns", "tiny") is loop  # one loop per job
     threading.Event().wait(0.3)
     assert Passes.count == 0  # a standby watches, but runs no pass
@@ -68,18 +77,46 @@ def test_a_standby_runs_no_pass_until_it_leads_and_a_deleted_job_stops_its_loop(
             break
         threading.Event().wait(0.1)
     assert Passes.count > 0, "no pass once leading"
-    handlers.job_changed(type="DELETED", name="tiny", namespace="ns", uid="u-1")
+    handlers.job_changed(type="DELETED", name="tiny", namespace="ns", uid="u-1", body={})
     loop.thread.join(5)
     assert not loop.thread.is_alive() and Passes.closed.is_set()
     assert handlers.loop_of("ns", "tiny") is None
     assert Passes.discarded == ["tiny"]
     # The operator stopping ends a loop without discarding anything: another takes the job on.
-    handlers.job_changed(type=None, name="other", namespace="ns", uid="u-2")
+    handlers.job_changed(type=None, name="other", namespace="ns", uid="u-2", body={})
     other = handlers.loop_of("ns", "other")
     assert other is not None
     handlers.stop_all()
     other.thread.join(5)
     assert not other.thread.is_alive() and Passes.discarded == ["tiny"]
+
+
+def test_a_quiet_write_wakes_nothing_and_every_other_change_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(handlers, "JobController", Passes)
+    monkeypatch.setattr(handlers, "api", lambda: None)
+    monkeypatch.setattr(handlers, "PERIOD", 60.0)  # a pass only when woken
+    monkeypatch.setattr(Passes, "quiet", True)
+
+    def event(version: str) -> int:
+        """The passes after the job's watch event of `version`."""
+        before = Passes.count
+        meta = {"resourceVersion": version}
+        handlers.job_changed(type="MODIFIED", name="q", namespace="ns", uid="u-3",
+                             body={"metadata": meta})  # fmt: skip
+        threading.Event().wait(0.3)
+        return Passes.count - before
+
+    try:
+        assert event("1") >= 1  # the first event starts the loop
+        assert event(Passes.written) == 0  # the loop's own write: the wait follows a member
+        assert event("8") == 1  # anyone else's
+        monkeypatch.setattr(Passes, "quiet", False)
+        assert event("9") == 1
+        assert event(Passes.written) == 1  # nothing in flight: a write wakes the next pass
+    finally:
+        handlers.job_changed(type="DELETED", name="q", namespace="ns", uid="u-3", body={})
 
 
 def test_the_leader_gauge_follows_the_elector() -> None:
