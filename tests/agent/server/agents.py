@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import grpc
 
 from liveshard.v1 import agent_pb2 as pb
 from liveshard.v1 import agent_pb2_grpc as pb_grpc
+from liveshard_e2e.procs import free_port
 
 AGENT = str(Path(sys.executable).parent / "liveshard-agent")
 HOST = "127.0.0.1"
@@ -36,12 +36,6 @@ WAIT = 90.0  # seconds any awaited condition may take on a loaded 2-core machine
 START_WAIT = 120.0  # several agents importing torch at once on 2 cores
 
 Phase = pb.AgentStatus.Phase
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 def agent_env(member: str, port: int, **overrides: Any) -> dict[str, str]:
