@@ -3,9 +3,9 @@ pass has something to do only when a member's verdict changes (`inflight.verdict
 gave its account, gave up, broke), and the members act on one decision: so the wait follows one
 member's status (`inflight.watched_member`) over its agent's `WatchStatus` stream and ends when
 that member's verdict differs from the one the pass saw, or its agent, having answered, stops
-answering. The commit or abort is
-then seen within moments, not a pass period later, at the cost of one stream, where a shorter
-period would list every pod and ask every agent several times a second.
+answering. The commit or abort is then seen within moments, not a pass period later, at the cost
+of one stream, where a shorter period would list every pod and ask every agent several times a
+second.
 """
 
 from __future__ import annotations
