@@ -90,6 +90,9 @@ class SimKube(Kube):
     def __init__(self, farms: Farms) -> None:
         super().__init__("http://stand-in")
         self.objects: dict[str, dict[str, Any]] = {}  # by path
+        # Each object's JSON, written once per change: an answer is parsed from it, the work
+        # the operator's client does on a real API server's answer (`Kube.request`).
+        self.texts: dict[str, str] = {}
         self.requests: Counter[str] = Counter()
         self.version = 0
         # The versions written since the last pass began, and whether there are any: what the
@@ -114,9 +117,9 @@ class SimKube(Kube):
             return {"items": []}
         if method == "GET" and path.endswith("/pods") and "labelSelector" in query:
             key, value = query["labelSelector"].split("=")
-            items = [o for p, o in self.objects.items() if p.startswith(path + "/")
+            items = [self.texts[p] for p, o in self.objects.items() if p.startswith(path + "/")
                      and (o["metadata"].get("labels") or {}).get(key) == value]  # fmt: skip
-            return {"items": copy.deepcopy(items)}
+            return json.loads('{"items": [' + ", ".join(items) + "]}")
         if method == "POST":
             obj = copy.deepcopy(body)
             meta = obj["metadata"]
@@ -132,14 +135,14 @@ class SimKube(Kube):
             self.put(target, obj)
             if path.endswith("/pods"):
                 threading.Thread(target=self._kubelet, args=(target,), daemon=True).start()
-            return copy.deepcopy(obj)
+            return json.loads(self.texts[target])
         obj = self.objects.get(path.removesuffix("/status"))
         if obj is None:
             raise ApiError(method, path, 404, "not found")
         if method == "GET":
-            return copy.deepcopy(obj)
+            return json.loads(self.texts[path.removesuffix("/status")])
         if method == "DELETE":
-            del self.objects[path]
+            del self.objects[path], self.texts[path]
             if "/pods/" in path:
                 self.farms.stop(obj["metadata"]["name"])
             return None
@@ -148,7 +151,7 @@ class SimKube(Kube):
             if wanted is not None and wanted != obj["metadata"].get("resourceVersion"):
                 raise ApiError(method, path, 409, "the object has been modified")
             self.put(path.removesuffix("/status"), merge_patch(obj, body))
-            return self.objects[path.removesuffix("/status")]
+            return json.loads(self.texts[path.removesuffix("/status")])
         raise ApiError(method, path, 405, "not served by the stand-in")
 
     def put(self, path: str, obj: dict[str, Any]) -> None:
@@ -162,6 +165,7 @@ class SimKube(Kube):
         obj["metadata"]["resourceVersion"] = str(self.version)
         obj["metadata"].setdefault("creationTimestamp", "2026-01-01T00:00:00Z")
         self.objects[path] = obj
+        self.texts[path] = json.dumps(obj)
         self.news.add(str(self.version))
         self.changed.set()
 
@@ -349,13 +353,16 @@ class Farms:
         if farm is not None:
             self._ask(farm, ("stop", name), answer=False)
 
-    def agreed(self) -> dict[int, tuple[float, float]]:
-        """By epoch, when every member was prepared and when the switch step began."""
-        merged: dict[int, tuple[float, float]] = {}
+    def agreed(self) -> dict[int, tuple[float, float, float]]:
+        """By epoch, when the last member took its Prepare, when every member was prepared and
+        when the switch step began."""
+        merged: dict[int, tuple[float, float, float]] = {}
         for farm in range(len(self.conns)):
-            for epoch, (ready, switch) in self._ask(farm, ("agreed",), answer=True).items():
-                seen = merged.get(epoch, (0.0, 0.0))
-                merged[epoch] = (max(seen[0], ready), max(seen[1], switch))
+            agreed, obeyed = self._ask(farm, ("agreed",), answer=True)
+            for epoch, (ready, switch) in agreed.items():
+                seen = merged.get(epoch, (0.0, 0.0, 0.0))
+                merged[epoch] = (max(seen[0], obeyed.get(epoch, 0.0)), max(seen[1], ready),
+                                 max(seen[2], switch))  # fmt: skip
         return merged
 
     def close(self) -> None:
@@ -401,15 +408,17 @@ def one_size(members: int, step_seconds: float) -> dict[str, Any]:
             began, prepared = change.pop("began"), change.pop("prepared")
             if change is out["start"]:
                 continue
-            ready, switch = agreed[change["epoch"]]
+            obeyed, ready, switch = agreed[change["epoch"]]
             change["step_boundary_wait_seconds"] = round(switch - ready, 3)
             change["control_seconds"] = round(change["seconds"] - (switch - ready), 3)
-            # Where the control overhead goes: until the last member took its Prepare, from
-            # then until every member said it was prepared (each says so at its next step
-            # boundary), and from the switch step to the commit recorded.
+            # Where the control overhead goes: until the last agent took its Prepare, then until
+            # the last member obeyed it (at its next step boundary), from then until every
+            # member said it was prepared (each says so after its next step), and from the
+            # switch step to the commit recorded.
             change["parts_seconds"] = {
                 "prepares_taken": round(prepared - began, 3),
-                "all_said_prepared": round(ready - prepared, 3),
+                "prepares_obeyed": round(obeyed - prepared, 3),
+                "all_said_prepared": round(ready - obeyed, 3),
                 "commit_seen": round(began + change["seconds"] - switch, 3),
             }
         rss_after = _rss()

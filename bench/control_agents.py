@@ -11,7 +11,7 @@ them prepared records the step two steps ahead, at which every member switches.
 
 `serve_farm` runs in a process of its own, fed over a pipe: ("start", name, environ) starts a
 pod's agent and answers ("ready", name) or ("failed", name, why); ("stop", name) stops one (its
-pod was deleted); ("agreed",) answers `AGREED`; ("quit",) ends the farm.
+pod was deleted); ("agreed",) answers `AGREED` and `OBEYED`; ("quit",) ends the farm.
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ PREFIX = "sim"  # the keys a change's members agree on, in its store
 # step saw it) and when the switch step begins, both wall-clock seconds. What lies between is the
 # wait for the step boundary, which is no control overhead.
 AGREED: dict[int, tuple[float, float]] = {}
+# By epoch: when the last of this farm's members took its Prepare at a step boundary (wall-clock).
+OBEYED: dict[int, float] = {}
 
 
 @dataclass
@@ -117,6 +119,7 @@ class SimMember(Member):
     def request(self, change: Change) -> list[Switched]:
         future: Future[None] = Future()
         future.set_result(None)  # prepared at once: no plan, no groups, no memory
+        OBEYED[change.epoch] = max(OBEYED.get(change.epoch, 0.0), time.time())
         self.pending = _Pending(change, future, time.perf_counter())
         return []
 
@@ -303,7 +306,7 @@ def serve_farm(conn: Connection, step_seconds: float, clock_zero: float) -> None
                 agent.stop()
             return
         if message[0] == "agreed":
-            conn.send(dict(AGREED))
+            conn.send((dict(AGREED), dict(OBEYED)))
             continue
         if message[0] == "stop":
             agent = agents.pop(message[1], None)

@@ -71,7 +71,7 @@ def test_control_benchmark_quick(tmp_path: Path) -> None:
         # the last Prepare was taken (its answer reaches the operator moments later, at most).
         parts = change["parts_seconds"]
         assert parts["prepares_taken"] > 0 and parts["commit_seen"] > 0, parts
-        assert parts["all_said_prepared"] > -0.5, parts
+        assert parts["all_said_prepared"] > -0.5 and parts["prepares_obeyed"] > -0.5, parts
     assert size["steady_pass"]["agent_calls_per_pass"] == {"GetStatus": 8.0}
 
 

@@ -1,4 +1,5 @@
-"""Single-process tests of the runtime's pieces: data order, randomness, settings, scalars."""
+"""Single-process tests of the runtime's pieces: data order, randomness, settings, scalars, the
+loop's store connects."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ import pytest
 torch = pytest.importorskip("torch", reason="the runtime needs torch (the agent extra)")
 
 from liveshard_agent.data.corpus import builtin_corpus  # noqa: E402
+from liveshard_agent.engine.world import StoreAddress, host_store  # noqa: E402
 from liveshard_agent.runtime import rng  # noqa: E402
+from liveshard_agent.runtime.change import Change  # noqa: E402
 from liveshard_agent.runtime.data import Dataset, job_dataset, load_corpus  # noqa: E402
+from liveshard_agent.runtime.loop import _CONNECT_GRACE, Prepare, Stop, _Stores  # noqa: E402
 from liveshard_agent.runtime.model import dropout_keep  # noqa: E402
 from liveshard_agent.runtime.optimizer import Optimizer  # noqa: E402
 from liveshard_agent.runtime.trainer import Scalars, initial_state  # noqa: E402
@@ -16,6 +20,7 @@ from liveshard_agent.runtime.weights import Peers, Weights, box_view  # noqa: E4
 from liveshard_core.job import TrainingSettings  # noqa: E402
 from liveshard_core.layout.layout import parse_degrees  # noqa: E402
 from liveshard_core.vps.presets import preset  # noqa: E402
+from liveshard_e2e.procs import free_port  # noqa: E402
 
 
 def test_builtin_corpus_is_fixed_text() -> None:
@@ -154,3 +159,18 @@ def test_a_copy_updated_from_its_holders_gradients_stays_equal_to_it_bit_for_bit
             for kind in spec.kinds:
                 ref = spec.ref(param.name, kind)
                 assert torch.equal(holder.state.view(ref, box), peer.state.view(ref, box)), ref
+
+
+def test_a_prepare_is_obeyed_as_it_is_taken_when_its_store_connects_at_once() -> None:
+    """A training member waits a short grace for the connect to a change's store as it takes a
+    Prepare, so it prepares at that boundary, not a step later; a store nothing serves is held
+    (the member trains on meanwhile: `tests/agent/server/test_flow.py`)."""
+    layout = parse_degrees("dp=1").layout(preset("tiny"), ["a"])
+    served, idle = (StoreAddress("127.0.0.1", free_port()) for _ in range(2))
+    store = host_store(served, timeout=10.0)
+    stores = _Stores(timeout=10.0)
+    assert not stores.connecting(Prepare(Change(1, layout, layout), served), _CONNECT_GRACE)
+    stores(served).set("seen", "yes")
+    assert store.get("seen") == b"yes"
+    assert not stores.connecting(Stop(), _CONNECT_GRACE)
+    assert stores.connecting(Prepare(Change(2, layout, layout), idle), grace=0.05)
