@@ -20,8 +20,9 @@ For each size, in one run:
   overhead of a reconfiguration: the operator's passes, the agents' prepare, the members'
   agreement on the switch step (they switch two steps after every one is prepared: one to two
   step times of it are the step boundary, which a real job waits for too) and the commit seen;
-  its parts (`parts_seconds`): until the last member took its Prepare, then until every member
-  said it was prepared, and from the switch step to the commit recorded;
+  its parts (`parts_seconds`): until the last agent took its Prepare, then until the last
+  member obeyed it (at its next step boundary), then until every member said it was prepared
+  (after the step that follows), and from the switch step to the commit recorded;
 - the operator's memory: its process's peak resident set, against before the job.
 
 Passes run as the operator's job loop runs them: at once when the job or one of its pods
