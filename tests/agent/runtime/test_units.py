@@ -162,15 +162,17 @@ def test_a_copy_updated_from_its_holders_gradients_stays_equal_to_it_bit_for_bit
 
 
 def test_a_prepare_is_obeyed_as_it_is_taken_when_its_store_connects_at_once() -> None:
-    """A training member waits a short grace for the connect to a change's store as it takes a
-    Prepare, so it prepares at that boundary, not a step later; a store nothing serves is held
-    (the member trains on meanwhile: `tests/agent/server/test_flow.py`)."""
+    """A training member waits a grace (`_CONNECT_GRACE`) for the connect to a change's store as
+    it takes a Prepare, so it prepares at that boundary, not a step later; a store nothing serves
+    is held (the member trains on meanwhile: `tests/agent/server/test_flow.py`). The grace here
+    is long: a machine whose DNS server drops torch's reverse lookups makes a connect wait 5 s."""
+    assert _CONNECT_GRACE > 0
     layout = parse_degrees("dp=1").layout(preset("tiny"), ["a"])
     served, idle = (StoreAddress("127.0.0.1", free_port()) for _ in range(2))
     store = host_store(served, timeout=10.0)
     stores = _Stores(timeout=10.0)
-    assert not stores.connecting(Prepare(Change(1, layout, layout), served), _CONNECT_GRACE)
+    assert not stores.connecting(Prepare(Change(1, layout, layout), served), grace=10.0)
     stores(served).set("seen", "yes")
     assert store.get("seen") == b"yes"
-    assert not stores.connecting(Stop(), _CONNECT_GRACE)
+    assert not stores.connecting(Stop(), grace=10.0)
     assert stores.connecting(Prepare(Change(2, layout, layout), idle), grace=0.05)
