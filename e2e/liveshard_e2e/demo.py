@@ -70,8 +70,14 @@ class Narrator:
     def _events(self) -> None:
         selector = f"involvedObject.name={JOB}"
         raw = self.kube.kubectl("get", "events", "-o", "json", "--field-selector", selector).stdout
+        # In the order they were written: the timestamps have whole seconds; the local
+        # cluster's etcd numbers its writes in order.
         for event in sorted(
-            json.loads(raw)["items"], key=lambda e: e["metadata"]["creationTimestamp"]
+            json.loads(raw)["items"],
+            key=lambda e: (
+                e["metadata"]["creationTimestamp"],
+                int(e["metadata"]["resourceVersion"]),
+            ),
         ):
             if event["metadata"]["uid"] in self.events or event["reason"] not in (
                 "Reconfiguring",
