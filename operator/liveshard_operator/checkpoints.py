@@ -1,7 +1,8 @@
 """The job's checkpoints as its status keeps them: the last one saved (`status.lastCheckpoint`),
 which outlives the agents that reported it, so that a restore after every agent died still knows
 where to start from; and the last one that failed (`status.checkpointFailure`), while no later one
-was saved.
+was saved: none of a later step, and none first seen after the failure (after a fall back to an
+older checkpoint, the job saves steps before the failed one again).
 
 Each pass takes the newest of what its status holds and what the agents now report: the one of
 the latest step, then of the highest number (a suspension takes the next number, which a periodic
@@ -64,11 +65,7 @@ class Failed:
 
     @property
     def seconds(self) -> float:
-        """`time` in seconds since the epoch (0 if it cannot be read: long ago)."""
-        try:
-            return datetime.fromisoformat(self.time).timestamp()
-        except ValueError:
-            return 0.0
+        return _seconds(self.time)
 
     def describe(self) -> str:
         return f"checkpoint {self.number} of step {self.step} to {self.path} failed: {self.reason}"
@@ -79,6 +76,14 @@ class _Numbered(Protocol):
     def number(self) -> int: ...
     @property
     def step(self) -> int: ...
+
+
+def _seconds(time: str) -> float:
+    """A status `time` in seconds since the epoch (0 if it cannot be read: long ago)."""
+    try:
+        return datetime.fromisoformat(time).timestamp()
+    except ValueError:
+        return 0.0
 
 
 def _newer(one: _Numbered, other: _Numbered) -> bool:
@@ -99,7 +104,8 @@ def last_saved(job: Job, seen: Observation, now: float) -> Saved | None:
 
 
 def last_failed(job: Job, seen: Observation, now: float) -> Failed | None:
-    """The newest checkpoint that failed, when no later one was saved."""
+    """The newest checkpoint that failed, when no later one was saved (of a later step, or first
+    seen after it)."""
     kept = job.status.get("checkpointFailure")
     best = Failed.from_dict(kept) if kept else None
     for pod in seen.pods.values():
@@ -108,7 +114,9 @@ def last_failed(job: Job, seen: Observation, now: float) -> Failed | None:
             best = Failed(int(failed.number), failed.path, int(failed.step), failed.error,
                           stamp(now))  # fmt: skip
     saved = last_saved(job, seen, now)
-    if best is None or (saved is not None and not _newer(best, saved)):
+    if best is None:
+        return None
+    if saved is not None and (not _newer(best, saved) or _seconds(saved.time) > best.seconds):
         return None
     return best
 

@@ -133,6 +133,26 @@ def test_a_checkpoint_saved_after_a_failed_one_clears_the_failure() -> None:
     assert degraded(status)[:2] == ("False", "AsPlanned")
 
 
+def test_after_a_fall_back_a_checkpoint_of_an_earlier_step_saved_later_clears_the_failure() -> None:
+    """Checkpoint 3 of step 15 failed; the job fell back to step 10 and saved step 12 since: the
+    failure is over. A checkpoint of step 12 seen before the failure does not end it."""
+    earlier = {"number": 3, "path": "/ck/step-15", "step": 15, "reason": REASON,
+               "time": stamp(NOW - 60)}  # fmt: skip
+    pods = seen(*members(13, last_checkpoint=checkpoint(4, 12, "/ck/step-12")))
+    status = decide(pods, Record(world=W3, checkpoint_asked=4),
+                    with_status(PERIODIC, lastCheckpoint=SAVED, checkpointFailure=earlier),
+                    NOW).status  # fmt: skip
+    assert status["checkpointFailure"] is None
+    assert status["lastCheckpoint"]["step"] == 12
+    assert degraded(status)[:2] == ("False", "AsPlanned")
+    before = {"number": 4, "path": "/ck/step-12", "step": 12, "time": stamp(NOW - 120)}
+    status = decide(pods, Record(world=W3, checkpoint_asked=4),
+                    with_status(PERIODIC, lastCheckpoint=before, checkpointFailure=earlier),
+                    NOW).status  # fmt: skip
+    assert status["checkpointFailure"] == earlier
+    assert degraded(status)[:2] == ("True", "CheckpointFailed")
+
+
 def test_a_suspension_whose_checkpoint_failed_asks_again_after_a_while() -> None:
     suspending = job(3, checkpoint={"path": "/ck"}, suspend=True)
     saving = Suspension(1, "/ck/suspend-1-1")
