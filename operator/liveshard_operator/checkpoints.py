@@ -17,10 +17,9 @@ Pure: the status and the agents' reports are given, and so is the time.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any, Protocol
 
-from .conditions import stamp
+from .conditions import seconds, stamp
 from .observation import Job, Observation
 
 RETRY_SECONDS = 60.0  # a suspension's checkpoint that failed is asked again this much later
@@ -65,7 +64,8 @@ class Failed:
 
     @property
     def seconds(self) -> float:
-        return _seconds(self.time)
+        """`time` in seconds since the epoch (0 if it cannot be read: long ago)."""
+        return seconds(self.time, 0.0)
 
     def describe(self) -> str:
         return f"checkpoint {self.number} of step {self.step} to {self.path} failed: {self.reason}"
@@ -76,14 +76,6 @@ class _Numbered(Protocol):
     def number(self) -> int: ...
     @property
     def step(self) -> int: ...
-
-
-def _seconds(time: str) -> float:
-    """A status `time` in seconds since the epoch (0 if it cannot be read: long ago)."""
-    try:
-        return datetime.fromisoformat(time).timestamp()
-    except ValueError:
-        return 0.0
 
 
 def _newer(one: _Numbered, other: _Numbered) -> bool:
@@ -116,7 +108,7 @@ def last_failed(job: Job, seen: Observation, now: float) -> Failed | None:
     saved = last_saved(job, seen, now)
     if best is None:
         return None
-    if saved is not None and (not _newer(best, saved) or _seconds(saved.time) > best.seconds):
+    if saved is not None and (not _newer(best, saved) or seconds(saved.time, 0.0) > best.seconds):
         return None
     return best
 

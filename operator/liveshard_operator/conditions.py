@@ -18,6 +18,14 @@ def stamp(now: float | None) -> str:
     return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def seconds(stamp: str, unreadable: float) -> float:
+    """A timestamp in seconds since the epoch; `unreadable` when it cannot be read."""
+    try:
+        return datetime.fromisoformat(stamp).timestamp()
+    except ValueError:
+        return unreadable
+
+
 class Conditions:
     def __init__(
         self, items: list[dict[str, Any]], generation: int, now: float | None = None

@@ -22,7 +22,7 @@ from liveshard_core.assign.nodes import mirror_pairs, pairs_on_one_node
 from liveshard_core.job import Result
 
 from . import checkpoints, policy, render
-from .conditions import Conditions, stamp
+from .conditions import Conditions, seconds, stamp
 from .observation import Job, Observation, trains_in
 from .world import InFlight, Record, World
 
@@ -270,19 +270,21 @@ def _progress(
     last = samples[-1] if samples else None
     if step <= 0:
         return None
-    seconds = now - _seconds(str(last.get("time", ""))) if last is not None else 0.0
+    # A sample's time that cannot be read is infinitely late: the next sample is taken,
+    # without a rate.
+    since = now - seconds(str(last.get("time", "")), float("inf")) if last is not None else 0.0
     if last is not None:
-        soon = 0 <= seconds < SAMPLE_SECONDS and last.get("layout") == world.describe()
+        soon = 0 <= since < SAMPLE_SECONDS and last.get("layout") == world.describe()
         if step <= int(last.get("step", 0)) or soon:
             return None
     sample: dict[str, Any] = {
         "time": _precise_stamp(now), "step": step, "loss": loss,
         "members": len(world.members), "layout": world.describe(),
     }  # fmt: skip
-    if last is not None and seconds > 0:  # not behind the last sample (a clock set back)
+    if last is not None and since > 0:  # not behind the last sample (a clock set back)
         training = job.spec.training
         tokens = (step - int(last["step"])) * training.global_batch * training.seq_len
-        sample["tokensPerSecond"] = round(tokens / seconds, 1)
+        sample["tokensPerSecond"] = round(tokens / since, 1)
     while len(samples) >= PROGRESS:
         samples = samples[::2]
     return [*samples, sample]
@@ -293,15 +295,6 @@ def _precise_stamp(now: float) -> str:
     taken over the time between them."""
     moment = datetime.fromtimestamp(now, UTC).isoformat(timespec="milliseconds")
     return moment.replace("+00:00", "Z")
-
-
-def _seconds(stamp: str) -> float:
-    """A sample's time as seconds since the epoch; infinite when it cannot be read (the next
-    sample is taken, without a rate)."""
-    try:
-        return datetime.fromisoformat(stamp).timestamp()
-    except ValueError:
-        return float("inf")
 
 
 def invalid_spec(body: dict[str, Any], error: str, now: float) -> dict[str, Any]:
