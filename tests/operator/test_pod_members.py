@@ -17,7 +17,7 @@ from liveshard_operator.observation import Job, Observation, Pod
 from liveshard_operator.world import Record, World
 
 from liveshard.v1 import agent_pb2 as pb
-from liveshard_core.assign.nodes import pairs_on_one_node
+from liveshard_core.assign.nodes import mirror_pairs, pairs_on_one_node
 from liveshard_core.errors import InvalidInput
 from liveshard_core.layout.layout import Layout, parse_degrees
 from tests.operator.values import NOW, job, pod, seen, standby, switched, training
@@ -216,6 +216,22 @@ def test_mirrored_pods_hold_whole_tp_groups_and_no_mirror_pair_shares_a_node() -
     assert len(new.members) == 16 and inside_pods(new.members)
     layout = new.layout(grown.model)
     assert pairs_on_one_node(layout, layout.members, seen_now.nodes()) == 0
+
+
+def test_without_replicas_the_copies_of_a_pods_tp_group_are_in_the_next_pods_stage() -> None:
+    # Two pods of 2 on their own nodes, tp=2 inside pods, pp=2, dp=1: each box's copy is on the
+    # next stage, the other pod, so a pod's (a node's) loss leaves a copy of every byte.
+    the_job = job(2, membersPerPod=2, parallelism={"tp": 2, "pp": 2},
+                  faultTolerance={"snapshots": True})  # fmt: skip
+    ready = pods(*(members(n, standby(), node=f"node-{n}") for n in ("p0", "p1")))
+    decision = decide(ready, Record(), the_job, NOW)
+    assert isinstance(decision.ask, Begin)
+    new = decision.ask.plan.new
+    assert new.describe().startswith("dp=1,tp=2,pp=2") and new.degrees.mirror
+    assert inside_pods(new.members)
+    layout = new.layout(the_job.model)
+    assert mirror_pairs(layout) == [(0, 2), (1, 3)]
+    assert pairs_on_one_node(layout, layout.members, ready.nodes()) == 0
 
 
 def test_a_change_of_layout_fills_each_tensor_parallel_group_from_one_pod() -> None:

@@ -99,12 +99,14 @@ class Peers:
                 continue
             owners = dict(partition(layout, alone))
             for box, holders in partition(layout, shared):
-                (owner,) = owners[box]
-                (peer,) = set(holders) - {owner}
-                if rank == owner:
-                    out.sends.setdefault(peer, []).append((param, box))
-                elif rank == peer:
-                    out.copies.setdefault(owner, []).append((param, box))
+                # The holders and their peers, each in rank order: one pair per tp index
+                # when the stage's tp ranks hold the box alike.
+                peers = sorted(set(holders) - set(owners[box]))
+                for owner, peer in zip(owners[box], peers, strict=True):
+                    if rank == owner:
+                        out.sends.setdefault(peer, []).append((param, box))
+                    elif rank == peer:
+                        out.copies.setdefault(owner, []).append((param, box))
         return out
 
     def held(self) -> Route:

@@ -31,7 +31,7 @@ def mirror_pairs(shape: Layout | Degrees) -> list[tuple[int, int]]:
     """The pairs of ranks that hold a box and its mirror's copy under `shape` (`Layout.mirror`):
     neighbours in each ZeRO shard group (a stage's and tp index's dp ranks; with ep > 1, each
     expert group too), and a box's holder and its peer where no replica holds it (dp = 1: along
-    tp, else pp; experts of ep = dp: along tp, else dp); none when it is not mirrored."""
+    pp, else tp; experts of ep = dp: along dp); none when it is not mirrored."""
     if not shape.mirror:
         return []
     dp, tp, pp, ep = shape.dp, shape.tp, shape.pp, shape.ep
@@ -40,7 +40,7 @@ def mirror_pairs(shape: Layout | Degrees) -> list[tuple[int, int]]:
         groups = [range(dp), *(range(o, dp, ep) for o in range(ep) if ep > 1)]
     peer = None  # the (pp, dp, tp) offset from a box held once to its copy (`region.place`)
     if dp == 1 or ep == dp:
-        peer = (0, 0, 1) if tp > 1 else (0, 1, 0) if dp > 1 else (1, 0, 0)
+        peer = (0, 1, 0) if dp > 1 else (1, 0, 0) if pp > 1 else (0, 0, 1)
     pairs: set[tuple[int, int]] = set()
 
     def add(s: int, d: int, t: int, step: tuple[int, int, int]) -> None:

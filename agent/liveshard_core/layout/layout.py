@@ -7,8 +7,9 @@ Conventions (docs/layouts.md states them in full):
   `layers % pp` stages hold one extra layer;
 - `mirror`: no byte of the state has a single holder. Each ZeRO shard is also held by the next
   member of its shard group, in dp order and round; a box that no replica holds (any box of a
-  layout with dp = 1, an expert of ep = dp) is also held by the next member along tp (a split
-  tensor), along dp (an expert) or along pp, round (`region.place`, `region.Geometry`).
+  layout with dp = 1, an expert of ep = dp) is also held by the next member along dp (an
+  expert), else along pp, else along tp (a split tensor), round (`region.place`,
+  `region.Geometry`).
 """
 
 from __future__ import annotations

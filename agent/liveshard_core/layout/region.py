@@ -8,8 +8,8 @@ boxes. A mirrored layout (`Layout.mirror`) has each ZeRO shard held also by the 
 its group (shard z by group members z and z + 1, round), so a rank holds two cells of a sharded
 tensor: its own shard and its predecessor's. A box no replica holds (a layout with dp = 1, an
 expert of ep = dp) is held there also by its holder's *peer*, the next member along one axis,
-round: tp for a split tensor (`Placed.peer == "tp"`), dp for an expert (`"ep"`: ep = dp, so the
-next ep rank), else pp (the placement's stages are then two).
+round: dp for an expert (`"ep"`: ep = dp, so the next ep rank), else pp (the placement's stages
+are then two), else tp for a split tensor (`Placed.peer == "tp"`).
 
 Everything a tensor's boxes depend on is its `Placed` value; tensors with equal `Placed` values
 under a layout have equal regions, which is what lets plans be computed once per class of tensors.
@@ -81,19 +81,22 @@ def place(
 
 
 def _with_peer(layout: Layout, placed: Placed) -> Placed:
-    """`placed` with its boxes held also by their holder's peer when no one else holds them."""
+    """`placed` with its boxes held also by their holder's peer when no one else holds them: the
+    next member along dp (an expert of ep = dp), else along pp, else along tp (a split tensor).
+    dp and pp come first because they cross pods where tp groups stay inside one (`assign`),
+    so that a pod's loss leaves a copy; along pp, the tp ranks of a stage hold a tensor's copy
+    that the stage's tp ranks hold alike (a norm) too."""
     group = layout.dp if placed.ep_owner is None else layout.dp // layout.ep
-    split = placed.split_dim is not None
-    if len(placed.stages) > 1 or group > 1 or (layout.tp > 1 and not split):
+    if len(placed.stages) > 1 or group > 1:
         return placed  # replicas hold it, or ZeRO shards over a group that mirrors them
-    if split and layout.tp > 1:
-        return replace(placed, peer="tp")
     if layout.dp > 1:  # an expert of ep = dp
         return replace(placed, peer="ep")
     if layout.pp > 1:
         (stage,) = placed.stages
         return replace(placed, stages=tuple(sorted({stage, (stage + 1) % layout.pp})))
-    return placed
+    if layout.tp > 1 and placed.split_dim is not None:
+        return replace(placed, peer="tp")
+    return placed  # the tp ranks hold it alike
 
 
 def tp_local_boxes(placed: Placed, tp: int, tp_i: int | None) -> list[Box]:

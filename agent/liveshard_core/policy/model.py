@@ -223,9 +223,11 @@ def state_bytes_per_layer(spec: ModelSpec, layout: Layout) -> tuple[tuple[int, .
         if p.expert is not None:
             n /= layout.ep
             group = layout.dp // layout.ep
-        # A mirrored shard is held twice, and so is a box no replica holds (its peer's copy).
+        # A mirrored shard is held twice, and so is a box no replica holds: its peer holds a
+        # copy (along dp or pp; along tp only a split tensor's, `region.place`).
         tied = p.placement is Placement.FIRST_AND_LAST and layout.pp > 1  # two stages hold it
-        once = group == 1 and (p.split_dim is not None or layout.tp == 1) and not tied
+        peered = layout.dp > 1 or layout.pp > 1 or p.split_dim is not None
+        once = group == 1 and peered and not tied
         copies = 2 if layout.mirror and (group > 1 or once) else 1
         params = param_bytes * (copies / group if layout.zero >= 3 or once else 1)
         grads = param_bytes / (group if layout.zero >= 3 else 1)

@@ -67,10 +67,14 @@ SCENARIOS = {
                                                    ("6:0", "6:2"), ()),
     "expert shards mirrored in their expert-dp group": ("tiny-moe", "dp=4,ep=2,zero=1,mirror=1",
                                                         ("5:1",), ()),
-    # No replicas (dp = 1, experts of ep = dp): the next member along tp, dp or pp holds each box
+    # No replicas (dp = 1, experts of ep = dp): the next member along dp, pp or tp holds each box
     # too, and updates it from the gradients its holder sends.
-    "tp and pp without replicas, from the tp peer, then a switch": (
+    "tp and pp without replicas, from the pp peer, then a switch": (
         "tiny", "tp=2,pp=2,zero=3,mirror=1", ("6:2",), ("12:pp=4,mirror=1",)),
+    # A stage's whole tp group (a pod of two, with tp kept inside pods): from the next stage.
+    "tp and pp without replicas, a stage's tp group dies": ("tiny", "tp=2,pp=2,mirror=1",
+                                                            ("6:0", "6:1"), ()),
+    "tp without replicas, from the tp peer": ("tiny", "tp=2,mirror=1", ("6:1",), ()),
     "pp without replicas, killed after its update": ("tiny", "pp=3,mirror=1", ("6:0:update",),
                                                      ()),
     "experts of ep = dp, from the next ep rank": ("tiny-moe", "dp=2,ep=2,zero=1,mirror=1",

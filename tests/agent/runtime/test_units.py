@@ -114,18 +114,25 @@ def test_scalars_advance_together() -> None:
 
 def test_peers_send_each_box_held_once_to_the_member_that_holds_its_copy() -> None:
     spec = preset("tiny")
-    # tp=2 on each of 2 stages, mirrored: a split weight's tp half is copied by the other tp
-    # rank of its stage; the norms (replicated over tp) have no copy.
+    # tp=2 on each of 2 stages, mirrored: each box of a stage is copied by the member of the
+    # same tp index on the other stage, a split weight's tp half as the norms (alike over tp).
     grid = parse_degrees("tp=2,pp=2,mirror=1").layout(spec, ["a", "b", "c", "d"])
     peers = [Peers.build(spec, grid, rank) for rank in range(4)]
-    assert [(set(p.sends), set(p.copies)) for p in peers] == [({1}, {1}), ({0}, {0}),
-                                                              ({3}, {3}), ({2}, {2})]  # fmt: skip
-    names = {param.name for param, _ in peers[0].sends[1]}
+    assert [(set(p.sends), set(p.copies)) for p in peers] == [({2}, {2}), ({3}, {3}),
+                                                              ({0}, {0}), ({1}, {1})]  # fmt: skip
+    names = {param.name for param, _ in peers[0].sends[2]}
     assert "layers.0.attn.o" in names and "layers.3.attn.o" not in names
-    assert not any(name.endswith("norm") for name in names)
-    # What 0 sends to 1 is what 1 holds from 0, in the same order.
-    assert peers[0].sends[1] == peers[1].copies[0]
-    assert peers[1].sends[0] == peers[0].copies[1]
+    assert "layers.0.attn.norm" in names
+    assert {param.name for param, _ in peers[0].sends[2]} == {
+        param.name for param, _ in peers[1].sends[3]}  # fmt: skip
+    # What 0 sends to 2 is what 2 holds from 0, in the same order.
+    assert peers[0].sends[2] == peers[2].copies[0]
+    assert peers[2].sends[0] == peers[0].copies[2]
+    # tp alone: the other tp rank copies a split weight's half; the norms have no copy.
+    pair = parse_degrees("tp=2,mirror=1").layout(spec, ["a", "b"])
+    sends = Peers.build(spec, pair, 0).sends[1]
+    assert sends == Peers.build(spec, pair, 1).copies[0]
+    assert not any(param.name.endswith("norm") for param, _ in sends)
     # pp=3: round the stages; without the mirror, nothing.
     ring = parse_degrees("pp=3,mirror=1").layout(spec, ["a", "b", "c"])
     assert [(set(p.sends), set(p.copies)) for p in (Peers.build(spec, ring, r) for r in range(3))

@@ -57,8 +57,11 @@ def test_mirror_pairs_by_hand() -> None:
     ep = mirror_pairs(Degrees(dp=4, ep=2, zero=1, mirror=True))
     assert ep == [(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]
     assert mirror_pairs(Degrees(dp=4, zero=1)) == []
-    # No replicas: each member and its peer along tp, else pp.
-    assert mirror_pairs(Degrees(tp=2, pp=2, mirror=True)) == [(0, 1), (2, 3)]
+    # No replicas: each member and its peer along pp, else tp.
+    assert mirror_pairs(Degrees(tp=2, pp=2, mirror=True)) == [(0, 2), (1, 3)]
+    assert mirror_pairs(Degrees(tp=2, mirror=True)) == [(0, 1)]
+    # Experts of ep = dp: along dp, where tp groups never are.
+    assert mirror_pairs(Degrees(dp=2, ep=2, tp=2, mirror=True)) == [(0, 2), (1, 3)]
     assert mirror_pairs(Degrees(pp=3, mirror=True)) == [(0, 1), (0, 2), (1, 2)]
 
 

@@ -99,21 +99,29 @@ def _holders(spec: ModelSpec, layout: Layout, name: str, kind: StateKind) -> lis
 
 
 def test_a_box_no_replica_holds_is_held_also_by_its_holders_next_peer() -> None:
-    """A mirrored layout without replicas: the next member along tp (a split tensor), along dp
-    (an expert of ep = dp) or along pp holds each box too, round."""
+    """A mirrored layout without replicas: the next member along dp (an expert of ep = dp), else
+    along pp, else along tp (a split tensor) holds each box too, round."""
     members = [f"m{i}" for i in range(4)]
     tp2 = Layout.create(TINY, members, tp=2, pp=2, mirror=True)
-    # Split along dim 1 on stage 0 (ranks 0, 1): tp index t's box held by t and t + 1, round.
-    assert _holders(TINY, tp2, "layers.0.attn.o", StateKind.PARAM) == [(0, 1), (0, 1)]
-    assert _holders(TINY, tp2, "layers.3.attn.o", StateKind.EXP_AVG) == [(2, 3), (2, 3)]
-    # Not split: the tp ranks are its replicas already.
-    assert _holders(TINY, tp2, "layers.0.attn.norm", StateKind.EXP_AVG) == [(0, 1)]
+    # Along pp, where tp groups never are (a pod's loss leaves the copy): split along dim 1 on
+    # stage 0 (ranks 0, 1), tp index t's box is held by t and by t on stage 1 (ranks 2, 3).
+    assert _holders(TINY, tp2, "layers.0.attn.o", StateKind.PARAM) == [(0, 2), (1, 3)]
+    assert _holders(TINY, tp2, "layers.3.attn.o", StateKind.EXP_AVG) == [(0, 2), (1, 3)]
+    # Not split: the stage's tp ranks hold it alike, and the next stage's too.
+    assert _holders(TINY, tp2, "layers.0.attn.norm", StateKind.EXP_AVG) == [(0, 1, 2, 3)]
+    tp_only = Layout.create(TINY, members[:2], tp=2, mirror=True)  # no dp, no pp: along tp
+    assert _holders(TINY, tp_only, "layers.0.attn.o", StateKind.PARAM) == [(0, 1), (0, 1)]
+    assert _holders(TINY, tp_only, "layers.0.attn.norm", StateKind.EXP_AVG) == [(0, 1)]
     pp4 = Layout.create(TINY, members, pp=4, mirror=True)  # one layer a stage
     assert _holders(TINY, pp4, "layers.3.mlp.down", StateKind.EXP_AVG) == [(0, 3)]
     assert _holders(TINY, pp4, "layers.1.mlp.down", StateKind.MASTER) == [(1, 2)]
     experts = Layout.create(MOE, members, dp=4, ep=4, zero=1, mirror=True)  # 2 experts a rank
     expert = next(p for p in MOE.params if p.expert == 7)
     assert _holders(MOE, experts, expert.name, StateKind.EXP_AVG) == [(0, 3)]
+    # With tp too, along dp still: expert 3 (ep rank 0) on dp 0 (ranks 0, 1) and dp 1.
+    tp_experts = Layout.create(MOE, members, dp=2, ep=2, tp=2, mirror=True)
+    expert = next(p for p in MOE.params if p.expert == 3 and p.split_dim is not None)
+    assert _holders(MOE, tp_experts, expert.name, StateKind.EXP_AVG) == [(0, 2), (1, 3)]
     # Dense weights: ZeRO-1 shards mirrored round the dp group, as without experts.
     ring = [(0, 1), (1, 2), (2, 3), (0, 3)]
     assert _holders(MOE, experts, "layers.0.attn.o", StateKind.EXP_AVG) == ring

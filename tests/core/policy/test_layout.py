@@ -85,16 +85,21 @@ def test_no_layout_names_the_constraint(
         choose_layout(LLAMA, members, constraints, hardware)
 
 
-@pytest.mark.parametrize("degrees", ["dp=4,zero=1", "dp=4,zero=3", "dp=1,tp=2", "tp=2,zero=3"])
+@pytest.mark.parametrize(
+    "degrees", ["dp=4,zero=1", "dp=4,zero=3", "dp=1,tp=2", "tp=2,zero=3", "tp=2,pp=2", "pp=4"]
+)
 def test_the_state_per_layer_counts_a_mirrored_shard_twice(degrees: str) -> None:
     # What the mirror adds to a member's layers is its predecessor's shards (without replicas:
-    # its tp peer's boxes): the exact bytes of the layout's regions (gradients, not in the
-    # state, are not mirrored).
+    # its peer's boxes, along pp the previous stage's, round): the exact bytes of the layout's
+    # regions (gradients, not in the state, are not mirrored).
     spec = preset("tiny")
     plain = parse_degrees(degrees)
     members = [f"m{i}" for i in range(plain.world_size)]
     mirrored = parse_degrees(f"{degrees},mirror=1").layout(spec, members)
     plain = plain.layout(spec, members)
+    stage = (0 - 1) % mirrored.pp  # whose layers rank 0's copies are of
+    first = sum(mirrored.pp_layers[:stage])
+    copied = range(first, first + mirrored.pp_layers[stage])
 
     def exact(layout: Layout) -> int:
         return sum(
@@ -106,7 +111,8 @@ def test_the_state_per_layer_counts_a_mirrored_shard_twice(degrees: str) -> None
         )
 
     def estimated(layout: Layout) -> int:
-        return sum(state_bytes_per_layer(spec, layout)[0])
+        per_layer = state_bytes_per_layer(spec, layout)[0]
+        return sum(per_layer[layer] for layer in copied)
 
     grown = estimated(mirrored) - estimated(plain)
     assert grown > 0
