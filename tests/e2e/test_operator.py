@@ -452,6 +452,37 @@ def test_pods_of_two_members_keep_tp_inside_scale_and_drain_whole(operator: Kube
     steps.wait(lambda s: s.get("step", 0) > recovered["step"], "training on")
 
 
+def test_a_pod_holding_a_whole_stage_without_replicas_is_recovered_in_memory(
+    operator: Kube,
+) -> None:  # fmt: skip
+    # Two pods of 2 on two nodes of 2 GPUs, tp=2 inside pods, pp=2, dp=1, mirrored: each box's
+    # copy is on the other pod's stage, so a pod's loss (its whole tp group) loses no byte. Its
+    # replacement takes the dead pod's GPUs, on its node.
+    kube = operator
+    body = job(2, parallelism={"tp": 2, "pp": 2})
+    limits = body["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    limits["nvidia.com/gpu"] = 2
+    kube.apply(body)
+    steps = Steps(kube)
+    first = steps.wait(lambda s: training(2)(s) and len(s["members"]) == 4, "training", STARTUP)
+    assert first["layout"].startswith("dp=1,tp=2,pp=2") and "mirror=1" in first["layout"], first
+    owners = [m.rsplit("-", 1)[0] for m in first["members"]]
+    assert owners[0] == owners[1] != owners[2] == owners[3], first["members"]
+    assert first["placement"]["mirrorPairsOnOneNode"] == 0, first["placement"]
+    pod = members(kube)[owners[0]]
+    os.kill(member_pid(pod, f"{owners[0]}-0"), signal.SIGKILL)
+    lost = {f"{owners[0]}-{k}" for k in range(2)}
+    recovered = steps.wait(
+        lambda s: not lost & set(s.get("members", lost)) and s.get("phase") == "Running",
+        "a recovery with the pod's replacement", STARTUP,
+    )  # fmt: skip
+    last = recovered["lastReconfiguration"]
+    assert last["result"] == "committed" and last["from"] == last["to"] == first["layout"], last
+    assert last["reason"] == f"lost {owners[0]}-0, {owners[0]}-1", last
+    assert recovered["step"] >= first["step"]  # from memory: no step went back
+    steps.wait(lambda s: s.get("step", 0) > recovered["step"], "training on")
+
+
 def test_a_suspended_job_resumes_in_another_layout_at_the_same_step(
     operator: Kube, tmp_path: Path
 ) -> None:

@@ -76,8 +76,14 @@ def test_gpu_request_is_scheduled_and_visible(kube: Kube) -> None:
     code = "import os; print('GPUS=' + os.environ['CUDA_VISIBLE_DEVICES'], flush=True)"
     container = {"resources": {"limits": {"nvidia.com/gpu": "2"}}}
     kube.apply(python_pod("gpu", code, container=container, restartPolicy="Never"))
-    kube.wait_pod("gpu", lambda p: p["status"].get("phase") == "Succeeded", "Succeeded")
+    done = kube.wait_pod("gpu", lambda p: p["status"].get("phase") == "Succeeded", "Succeeded")
     assert "GPUS=0,1" in kube.logs("gpu")
+    # A terminated pod's devices are free while the pod is still there (as the scheduler counts
+    # them): a pod bound to the same node gets them.
+    node = done["spec"]["nodeName"]
+    kube.apply(python_pod("again", code, container=container, restartPolicy="Never", nodeName=node))
+    kube.wait_pod("again", lambda p: p["status"].get("phase") == "Succeeded", "Succeeded")
+    assert "GPUS=0,1" in kube.logs("again")
 
 
 def test_restart_policies(kube: Kube) -> None:

@@ -93,8 +93,12 @@ class PodWorker:
             for c in self.init_containers + self.containers:
                 c.signal(signal.SIGKILL)
                 c.poll()
-            self.node.return_gpus(self._gpus)
+            self._release_gpus()
             (self.dir / ".done").touch()
+
+    def _release_gpus(self) -> None:
+        self.node.return_gpus(self._gpus)
+        self._gpus = []
 
     def _pod_now(self) -> dict[str, Any]:
         with self._lock:
@@ -260,7 +264,10 @@ class PodWorker:
     # --- deletion ----------------------------------------------------------------------------
     def _finish(self) -> None:
         """Graceful termination once the pod has a deletion timestamp (or is gone): preStop,
-        SIGTERM, SIGKILL at the deadline, final status, then DELETE with grace 0 and our UID."""
+        SIGTERM, SIGKILL at the deadline, final status, then DELETE with grace 0 and our UID.
+        A terminated pod's devices are free at once, as the scheduler counts them."""
+        if self.phase in ("Succeeded", "Failed"):
+            self._release_gpus()
         while not self._gone.is_set() and not self._terminating():
             self._wake.wait(1.0)  # terminal phase: idle until deleted (an update wakes it)
             self._wake.clear()
