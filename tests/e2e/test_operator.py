@@ -383,15 +383,20 @@ def test_a_job_starts_with_the_pods_that_land_and_grows_as_more_do(operator: Kub
         kube.run("kubectl", "uncordon", *closed, check=False)
 
 
+def in_pods_of_two(kube: Kube, parallelism: dict[str, int]) -> Steps:
+    """Apply a job of 2 pods of 2 GPUs each, a node's (its members train on CPU)."""
+    body = job(2, parallelism=parallelism)
+    limits = body["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    limits["nvidia.com/gpu"] = 2
+    kube.apply(body)
+    return Steps(kube)
+
+
 def test_pods_of_two_members_keep_tp_inside_scale_and_drain_whole(operator: Kube) -> None:
     # Each node has 2 GPUs: a worker of 2 (its members train on CPU) takes a node. tp=2 groups
     # stay inside pods; pods join and leave whole, each with one agent endpoint.
     kube = operator
-    body = job(2, parallelism={"tp": 2, "zero": 1})
-    limits = body["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
-    limits["nvidia.com/gpu"] = 2
-    kube.apply(body)
-    steps = Steps(kube)
+    steps = in_pods_of_two(kube, {"tp": 2, "zero": 1})
 
     def pods_of(s: dict[str, Any]) -> list[str]:
         return [m.rsplit("-", 1)[0] for m in s["members"]]
@@ -459,11 +464,7 @@ def test_a_pod_holding_a_whole_stage_without_replicas_is_recovered_in_memory(
     # copy is on the other pod's stage, so a pod's loss (its whole tp group) loses no byte. Its
     # replacement takes the dead pod's GPUs, on its node.
     kube = operator
-    body = job(2, parallelism={"tp": 2, "pp": 2})
-    limits = body["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
-    limits["nvidia.com/gpu"] = 2
-    kube.apply(body)
-    steps = Steps(kube)
+    steps = in_pods_of_two(kube, {"tp": 2, "pp": 2})
     first = steps.wait(lambda s: training(2)(s) and len(s["members"]) == 4, "training", STARTUP)
     assert first["layout"].startswith("dp=1,tp=2,pp=2") and "mirror=1" in first["layout"], first
     owners = [m.rsplit("-", 1)[0] for m in first["members"]]
