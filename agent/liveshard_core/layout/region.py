@@ -84,8 +84,8 @@ def _with_peer(layout: Layout, placed: Placed) -> Placed:
     """`placed` with its boxes held also by their holder's peer when no one else holds them: the
     next member along dp (an expert of ep = dp), else along pp, else along tp (a split tensor).
     dp and pp come first because they cross pods where tp groups stay inside one (`assign`),
-    so that a pod's loss leaves a copy; along pp, the tp ranks of a stage hold a tensor's copy
-    that the stage's tp ranks hold alike (a norm) too."""
+    so that a pod's loss leaves a copy. Along pp, a tensor the stage's tp ranks hold alike (a
+    norm) is copied on the next stage's tp ranks alike."""
     group = layout.dp if placed.ep_owner is None else layout.dp // layout.ep
     if len(placed.stages) > 1 or group > 1:
         return placed  # replicas hold it, or ZeRO shards over a group that mirrors them
