@@ -123,8 +123,7 @@ def test_peers_send_each_box_held_once_to_the_member_that_holds_its_copy() -> No
     names = {param.name for param, _ in peers[0].sends[2]}
     assert "layers.0.attn.o" in names and "layers.3.attn.o" not in names
     assert "layers.0.attn.norm" in names
-    assert {param.name for param, _ in peers[0].sends[2]} == {
-        param.name for param, _ in peers[1].sends[3]}  # fmt: skip
+    assert names == {param.name for param, _ in peers[1].sends[3]}
     # What 0 sends to 2 is what 2 holds from 0, in the same order.
     assert peers[0].sends[2] == peers[2].copies[0]
     assert peers[2].sends[0] == peers[0].copies[2]
