@@ -41,7 +41,7 @@ from liveshard.v1 import agent_pb2 as pb
 from liveshard_core.errors import InvalidInput
 from liveshard_core.plan.plan import source_layout
 
-from . import checkpoints, policy, rebalance, start_failures
+from . import checkpoints, policy, rebalance, render, start_failures
 from .actions import Begin, Checkpoint, DeletePod, Event, EventType, ReleaseMember
 from .decision import Decision, Draft, by_pod
 from .inflight import progress
@@ -63,6 +63,7 @@ def decide(seen: Observation, record: Record, job: Job, now: float) -> Decision:
     in_world.update(record.world.members if record.world else ())
     if start_failures.note(draft, in_world):
         return draft.decision()
+    _prune_ended(draft, in_world)
     _note_missing(draft, in_world)
     if record.in_flight is not None:
         progress(draft, record.in_flight)
@@ -88,6 +89,23 @@ def _done(pod: Pod | None) -> bool:
 
 def _done_agent(agent: pb.AgentStatus | None) -> bool:
     return agent is not None and agent.phase == pb.AgentStatus.DONE
+
+
+def _prune_ended(draft: Draft, in_world: set[str]) -> None:
+    """Delete the pods of past members that ended (a process killed, OOM, a failed container),
+    but the `failedPodsHistoryLimit` that ended last: kept for their logs, the rest would pile up
+    over a long run. A pod one of whose members the record's worlds still name is the recovery's
+    (it goes once the recovery committed)."""
+    ended: dict[str, Pod] = {}
+    for pod in draft.seen.pods.values():
+        if pod.gone and pod.role == render.MEMBER:
+            ended.setdefault(pod.pod_name, pod)
+    for pod in draft.seen.pods.values():
+        if pod.name in in_world:
+            ended.pop(pod.pod_name, None)
+    oldest_first = sorted(ended.values(), key=lambda p: (p.ended, p.created, p.pod_name))
+    for pod in oldest_first[: max(len(oldest_first) - draft.job.spec.failed_pods_kept, 0)]:
+        draft.after.append(DeletePod(pod.pod_name))
 
 
 # ---- the first world ----

@@ -73,6 +73,7 @@ class Pod:
     failure: str = ""  # how a container of it failed, as the kubelet says ("": none did)
     node: str = ""  # the node it is scheduled on ("": not yet)
     pod: str = ""  # the pod's name, when it is not `name` (a pod of several members)
+    ended: float = 0.0  # when its last container ended, for a gone pod (seconds since the epoch)
 
     @property
     def pod_name(self) -> str:
@@ -133,6 +134,13 @@ def leaving(pod: dict[str, Any], leaving_nodes: set[str]) -> bool:
 
 def _seconds(stamp: str) -> float:
     return datetime.fromisoformat(stamp).timestamp() if stamp else 0.0
+
+
+def _ended_at(pod: dict[str, Any]) -> float:
+    """When the last of `pod`'s containers ended (0: none says)."""
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    stamps = [((s.get("state") or {}).get("terminated") or {}).get("finishedAt") for s in statuses]
+    return max((_seconds(t) for t in stamps if t), default=0.0)
 
 
 def _scheduling(pod: dict[str, Any]) -> tuple[float, str]:
@@ -199,4 +207,5 @@ def pod_of(
         created=meta.get("creationTimestamp", ""), agent=agent, error=error, since=since,
         unschedulable=unschedulable, failure=failure(pod),
         node=(pod.get("spec") or {}).get("nodeName") or "",
+        ended=_ended_at(pod) if gone(pod) else 0.0,
     )  # fmt: skip

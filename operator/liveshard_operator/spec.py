@@ -27,6 +27,7 @@ from liveshard_core.vps.spec import ModelSpec
 
 PENDING_TIMEOUT = 600  # spec.scheduling.pendingTimeoutSeconds's default
 MAX_START_FAILURES = 5  # spec.scheduling.maxStartFailures's default
+FAILED_PODS_KEPT = 3  # spec.faultTolerance.failedPodsHistoryLimit's default
 _UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9}
 # spec.reconfiguration's deadline fields, by the Deadlines field they set.
 DEADLINE_FIELDS = {
@@ -83,6 +84,7 @@ class JobSpec:
     max_start_failures: int  # pods failed to start in a row before the job without a world fails
     template: dict[str, Any] = field(repr=False)
     snapshots: bool = True  # mirror ZeRO shards (`Layout.mirror`) wherever the layout can
+    failed_pods_kept: int = FAILED_PODS_KEPT  # ended pods of past members kept for their logs
     members_per_pod: int = 1  # spec.membersPerPod, else the worker's nvidia.com/gpu, else 1
 
     @classmethod
@@ -95,7 +97,8 @@ class JobSpec:
         ckpt = spec.get("checkpoint") or {}
         template = spec.get("template") or {}
         scheduling = spec.get("scheduling") or {}
-        snapshots = (spec.get("faultTolerance") or {}).get("snapshots", True)
+        faults = spec.get("faultTolerance") or {}
+        snapshots = faults.get("snapshots", True)
         if type(snapshots) is not bool:
             raise InvalidInput(f"spec.faultTolerance.snapshots={snapshots!r} must be true or false")
         if ckpt.get("exportTo") and not ckpt.get("path"):
@@ -141,12 +144,18 @@ class JobSpec:
             pending_timeout=float(scheduling.get("pendingTimeoutSeconds", PENDING_TIMEOUT)),
             gang=bool(scheduling.get("gang", False)),
             suspend=bool(spec.get("suspend", False)),
-            max_start_failures=_at_least_one(
+            max_start_failures=_at_least(
                 scheduling.get("maxStartFailures", MAX_START_FAILURES),
                 "spec.scheduling.maxStartFailures",
+                1,
             ),
             template=template,
             snapshots=snapshots,
+            failed_pods_kept=_at_least(
+                faults.get("failedPodsHistoryLimit", FAILED_PODS_KEPT),
+                "spec.faultTolerance.failedPodsHistoryLimit",
+                0,
+            ),
         )
         if job.suspend and not job.checkpoint_path:
             raise InvalidInput(
@@ -230,10 +239,10 @@ def _deadlines(reconf: dict[str, Any]) -> Deadlines:
         raise InvalidInput(f"spec.reconfiguration: {err}") from None
 
 
-def _at_least_one(value: Any, field_name: str) -> int:
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+def _at_least(value: Any, field_name: str, least: int) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= least:
         return value
-    raise InvalidInput(f"{field_name}={value!r} must be an integer >= 1")
+    raise InvalidInput(f"{field_name}={value!r} must be an integer >= {least}")
 
 
 def _gpus(template: dict[str, Any]) -> int:
@@ -258,7 +267,7 @@ def _members_per_pod(spec: dict[str, Any], template: dict[str, Any]) -> int:
     gpus = _gpus(template)
     if "membersPerPod" not in spec:
         return max(gpus, 1)
-    count = _at_least_one(spec["membersPerPod"], "spec.membersPerPod")
+    count = _at_least(spec["membersPerPod"], "spec.membersPerPod", 1)
     if gpus and count != gpus:
         raise InvalidInput(
             f"spec.membersPerPod={count} must equal the worker container's nvidia.com/gpu="

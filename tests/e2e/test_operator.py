@@ -383,9 +383,9 @@ def test_a_job_starts_with_the_pods_that_land_and_grows_as_more_do(operator: Kub
         kube.run("kubectl", "uncordon", *closed, check=False)
 
 
-def in_pods_of_two(kube: Kube, parallelism: dict[str, int]) -> Steps:
+def in_pods_of_two(kube: Kube, parallelism: dict[str, int], **spec: Any) -> Steps:
     """Apply a job of 2 pods of 2 GPUs each, a node's (its members train on CPU)."""
-    body = job(2, parallelism=parallelism)
+    body = job(2, parallelism=parallelism, **spec)
     limits = body["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
     limits["nvidia.com/gpu"] = 2
     kube.apply(body)
@@ -462,9 +462,12 @@ def test_a_pod_holding_a_whole_stage_without_replicas_is_recovered_in_memory(
 ) -> None:  # fmt: skip
     # Two pods of 2 on two nodes of 2 GPUs, tp=2 inside pods, pp=2, dp=1, mirrored: each box's
     # copy is on the other pod's stage, so a pod's loss (its whole tp group) loses no byte. Its
-    # replacement takes the dead pod's GPUs, on its node.
+    # replacement takes the dead pod's GPUs, on its node; the dead pod, kept for its logs by
+    # default, is deleted once the job recovered from it (a history limit of 0).
     kube = operator
-    steps = in_pods_of_two(kube, {"tp": 2, "pp": 2})
+    steps = in_pods_of_two(
+        kube, {"tp": 2, "pp": 2}, faultTolerance={"snapshots": True, "failedPodsHistoryLimit": 0}
+    )
     first = steps.wait(lambda s: training(2)(s) and len(s["members"]) == 4, "training", STARTUP)
     assert first["layout"].startswith("dp=1,tp=2,pp=2") and "mirror=1" in first["layout"], first
     owners = [m.rsplit("-", 1)[0] for m in first["members"]]
@@ -482,6 +485,7 @@ def test_a_pod_holding_a_whole_stage_without_replicas_is_recovered_in_memory(
     assert last["reason"] == f"lost {owners[0]}-0, {owners[0]}-1", last
     assert recovered["step"] >= first["step"]  # from memory: no step went back
     steps.wait(lambda s: s.get("step", 0) > recovered["step"], "training on")
+    wait_until(lambda: owners[0] not in members(kube), 30, f"the ended pod {owners[0]} deleted")
 
 
 def test_a_suspended_job_resumes_in_another_layout_at_the_same_step(

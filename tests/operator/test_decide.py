@@ -909,6 +909,26 @@ def test_a_silent_member_is_deleted_saying_why() -> None:
     assert delete.because == "still trains while its world is broken: its training is hung"
 
 
+@pytest.mark.parametrize(("kept", "deleted"), [(3, []), (1, ["p5", "p7"]), (0, ["p5", "p6", "p7"])])
+def test_the_pods_of_past_members_that_ended_are_kept_but_the_last_few(
+    kept: int, deleted: list[str]
+) -> None:
+    the_job = job(3, faultTolerance={"snapshots": False, "failedPodsHistoryLimit": kept})
+    # p5, p6 and p7 were members of past worlds and ended (p6 last); p2 is the world's, lost
+    # now: its pod is the recovery's until it commits.
+    ended = [
+        replace(pod(name, None, role=M, gone=True), ended=NOW - age)
+        for name, age in (("p5", 300), ("p6", 10), ("p7", 60), ("p2", 400))
+    ]
+    decision = decide(seen(*TRAINING3[:2], *ended), Record(world=W3), the_job, NOW)
+    assert sorted(a.pod for a in decision.after if isinstance(a, DeletePod)) == deleted
+
+
+def test_the_history_limit_of_ended_pods_is_checked() -> None:
+    with pytest.raises(InvalidInput, match="failedPodsHistoryLimit=-1 must be an integer >= 0"):
+        job(3, faultTolerance={"failedPodsHistoryLimit": -1})
+
+
 def test_new_pods_are_rendered_from_the_template() -> None:
     decision = decide(seen(), Record(), J2, NOW)
     assert decision.after == (CreatePod(render.worker_pod(J2.body, J2.spec)),) * 2

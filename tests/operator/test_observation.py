@@ -43,6 +43,17 @@ def test_leaving_and_gone(
     assert pod.standing_by == (not leaving and not gone)
 
 
+def test_a_gone_pod_ended_when_its_last_container_did() -> None:
+    ended = [
+        {"name": n, "state": {"terminated": {"exitCode": 137, "finishedAt": at}}}
+        for n, at in (("agent", "2024-01-01T00:02:00Z"), ("sidecar", "2024-01-01T00:03:00Z"))
+    ]
+    pod = pod_of(raw(status__phase="Failed", status__containerStatuses=ended), set(), None)
+    assert pod.ended == CREATED + 180
+    running = pod_of(raw(status__containerStatuses=ended[:1]), set(), None)
+    assert running.ended == 0.0  # a pod still running has not ended, whatever a container did
+
+
 def test_nodes_that_send_their_pods_away() -> None:
     assert node_leaving({"spec": {"unschedulable": True}})
     assert node_leaving({"spec": {"taints": [{"key": "k", "effect": "NoExecute"}]}})
