@@ -41,7 +41,8 @@ from ..engine.switch import SwitchHooks
 from ..runtime.change import Change
 from ..runtime.member import Member
 
-PHASES = ("step", "update", "prepare", "transfer", "vote", "commit")
+SWITCH_PHASES = ("prepare", "transfer", "vote", "commit")  # inside a switch scripted at STEP
+PHASES = ("step", "update", *SWITCH_PHASES)
 
 
 class Fault(StrEnum):

@@ -11,6 +11,7 @@ could run. This module describes a job; it must not start or drive one.
 
 from __future__ import annotations
 
+import itertools
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from liveshard_core.vps.spec import ModelSpec
 
 from ..engine.sealed import Seal
 from ..engine.switch import SwitchHooks
-from .faults import ScriptedKill
+from .faults import SWITCH_PHASES, ScriptedKill
 
 LOCAL_DEADLINES = Deadlines(op=60.0, switch=120.0, prepare=300.0)
 JOB_NAME = "local"  # every local job's name, in its log lines and its seal
@@ -134,6 +135,8 @@ class LocalJob:
                 f"{', '.join(late)}: the job trains steps 0 to {steps - 1} (--steps {steps}), "
                 "so this would never happen"
             )
+        self._check_order()
+        self._check_kills()
         for label, degrees in [("--layout", self.layout)] + [
             (f"--switch {s.step}:{s.text}", s.degrees) for s in self.switches
         ]:
@@ -150,4 +153,34 @@ class LocalJob:
                 raise InvalidInput(
                     f"--device cuda: {most} members need {most} GPUs (NCCL wants one per "
                     f"rank); {torch.cuda.device_count()} available"
+                )
+
+    def _check_order(self) -> None:
+        """Scripted switches come in step order, one per step (`job_from_args` sorts the flags)."""
+        for before, after in itertools.pairwise(self.switches):
+            if after.step <= before.step:
+                raise InvalidInput(
+                    f"--switch {before.step}:{before.text}, --switch {after.step}:{after.text}: "
+                    "one switch per step, in step order"
+                )
+
+    def _check_kills(self) -> None:
+        """Each kill names a rank of the layout it happens in: a phase of a switch, one scripted
+        at its step (its rank one of the layout the switch leaves); a step or an update, the
+        layout scripted for that step."""
+        for kill in self.kills:
+            label = f"--{kill.action} {kill.step}:{kill.rank}:{kill.phase}"
+            before = [s for s in self.switches if s.step < kill.step]
+            at = [s for s in self.switches if s.step == kill.step]
+            if kill.phase in SWITCH_PHASES and not at:
+                raise InvalidInput(
+                    f"{label}: no switch is scripted at step {kill.step} (--switch "
+                    f"{kill.step}:LAYOUT) for it to happen in"
+                )
+            scripted = before if kill.phase in SWITCH_PHASES else before + at
+            layout = scripted[-1].degrees if scripted else self.layout
+            if kill.rank >= layout.world_size:
+                raise InvalidInput(
+                    f"{label}: the layout it happens in, {layout.describe()}, has ranks 0 to "
+                    f"{layout.world_size - 1}"
                 )

@@ -703,9 +703,10 @@ def job_from_args(args: argparse.Namespace) -> LocalJob:
         rebalance=RebalanceSettings(args.rebalance or args.pack, args.rebalance_threshold,
                                     args.rebalance_window, args.pack),
     )  # fmt: skip
+    switches = sorted((parse_switch(s) for s in args.switch), key=lambda s: s.step)
     return LocalJob(
-        config=config, nprocs=args.nprocs, layout=layout,
-        switches=tuple(parse_switch(s) for s in args.switch), checksums=args.checksums,
+        config=config, nprocs=args.nprocs, layout=layout, switches=tuple(switches),
+        checksums=args.checksums,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         resume=args.resume, kills=tuple(parse_kill(k) for k in args.kill)
         + tuple(parse_kill(k, Fault.HANG) for k in args.hang)

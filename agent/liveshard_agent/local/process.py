@@ -12,6 +12,7 @@ the process fails. This module must not print: the driver does.
 from __future__ import annotations
 
 import os
+import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,6 +80,13 @@ def member_main(name: str, index: int, job: LocalJob, conn: Connection) -> None:
         wait_closed(30)  # groups closing in the background end before the process does
     except BaseException as err:
         conn.send(Crashed(f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+        return
+    # A change still preparing when the job ended (dropped, its thread in a store or a group's
+    # connect) would be torn down with the interpreter, and torch aborts the process there; the
+    # member has trained its last step and said all it had to: nothing is left to tear down.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _reporter(job: LocalJob, conn: Connection) -> Report:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from liveshard_agent.local.launcher import ScriptedKill, parse_kill
+from liveshard_agent.local.launcher import ScriptedKill, _parser, job_from_args, parse_kill
 from liveshard_core.errors import InvalidInput
 
 LIVESHARD_LOCAL = Path(sys.executable).parent / "liveshard-local"
@@ -56,3 +56,44 @@ def test_kill_is_parsed_and_refused_when_malformed() -> None:
     for text in ("15", "a:1", "15:-1", "15:x"):
         with pytest.raises(InvalidInput, match="STEP:RANK"):
             parse_kill(text)
+
+
+@pytest.mark.parametrize(
+    ("flags", "error"),
+    [
+        (["--kill", "3:2"], "--kill 3:2:step: the layout it happens in, dp=2,tp=1,pp=1,ep=1,"
+                            "zero=0, has ranks 0 to 1"),
+        (["--hang", "3:0:vote"], "--hang 3:0:vote: no switch is scripted at step 3"),
+        # Inside a switch, ranks are the layout's it leaves; from its step on, the new one's.
+        (["--switch", "3:dp=4", "--kill", "3:3:commit"], "--kill 3:3:commit: the layout it "
+                                                          "happens in, dp=2"),
+        (["--switch", "3:dp=4", "--switch", "3:dp=1"], "one switch per step, in step order"),
+    ],
+)  # fmt: skip
+def test_kills_and_switches_that_cannot_happen_are_refused(flags: list[str], error: str) -> None:
+    job = job_from_args(_parser().parse_args(["--nprocs", "2", *flags]))
+    with pytest.raises(InvalidInput, match=error):
+        job.check()
+
+
+def test_switches_are_made_in_step_order_whatever_the_flags_order() -> None:
+    flags = ["--nprocs", "2", "--switch", "8:dp=1", "--switch", "4:dp=4", "--kill", "4:3"]
+    job = job_from_args(_parser().parse_args(flags))
+    job.check()  # rank 3 is one of dp=4's, in effect from step 4
+    assert [s.step for s in job.switches] == [4, 8]
+
+
+def test_a_job_that_ends_with_a_switch_pending_ends_cleanly() -> None:
+    # The member killed in the vote is recovered; the growth, sent again, is still preparing
+    # when the last step is trained (on this machine: "unmade"), its store and groups half
+    # built: every process ends without torch tearing them down (it aborted the process).
+    done = subprocess.run(
+        [str(LIVESHARD_LOCAL), "--model", "tiny", "--steps", "12", "--nprocs", "2", "--layout",
+         "dp=2,zero=1,mirror=1", "--switch", "5:dp=4,zero=1,mirror=1", "--kill", "5:0:vote",
+         "--json"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    events = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [e["member"] for e in events if e["event"] == "lost"] == ["w0"]
+    assert "terminate called" not in done.stderr, done.stderr
