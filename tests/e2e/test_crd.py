@@ -142,6 +142,11 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
     ),
     ("replicas negative", {"spec.replicas": -1}, ["spec.replicas", "greater than or equal to 0"]),
     (
+        "history limit negative",
+        {"spec.faultTolerance.failedPodsHistoryLimit": -1},
+        ["spec.faultTolerance.failedPodsHistoryLimit", "greater than or equal to 0"],
+    ),
+    (
         "min above max",
         {"spec.minReplicas": 9},
         ["spec.minReplicas (9) must not exceed spec.maxReplicas (8)"],
