@@ -96,14 +96,12 @@ def _prune_ended(draft: Draft, in_world: set[str]) -> None:
     but the `failedPodsHistoryLimit` that ended last: kept for their logs, the rest would pile up
     over a long run. A pod one of whose members the record's worlds still name is the recovery's
     (it goes once the recovery committed)."""
-    ended: dict[str, Pod] = {}
-    for pod in draft.seen.pods.values():
-        if pod.gone and pod.role == render.MEMBER:
-            ended.setdefault(pod.pod_name, pod)
-    for pod in draft.seen.pods.values():
-        if pod.name in in_world:
-            ended.pop(pod.pod_name, None)
-    oldest_first = sorted(ended.values(), key=lambda p: (p.ended, p.created, p.pod_name))
+    ended = [
+        mates[0] for mates in by_pod(list(draft.seen.pods.values())).values()
+        if mates[0].gone and mates[0].role == render.MEMBER
+        and not any(m.name in in_world for m in mates)
+    ]  # fmt: skip
+    oldest_first = sorted(ended, key=lambda p: (p.ended, p.created, p.pod_name))
     for pod in oldest_first[: max(len(oldest_first) - draft.job.spec.failed_pods_kept, 0)]:
         draft.after.append(DeletePod(pod.pod_name))
 
