@@ -13,7 +13,11 @@ the assignment).
   the member's part of the whole plan's schedule where that is computed (`checked`);
 - `"kind": "assign"`: the best member assignment against the in-order one and the lower bound
   (network bytes), the assignment's time and the time of assignment plus plan;
-- `"kind": "policy"`: `choose_layout` for a member count, with and without a current layout.
+- `"kind": "policy"`: `choose_layout` for a member count, with and without a current layout;
+- `"kind": "pods"`: a change of a job whose members come 8 to a pod (a member per GPU): the
+  bytes that cross pods and the dry run's pause (the network at 25 GB/s per member, NVLink at
+  450 GB/s inside pods) when the plan takes bytes inside pods first, against the plan that
+  ignores pods; and the plan's time with pods.
 
     python bench/plan.py [--quick] [--repeat 3] [--out bench/results/plan.json]
 """
@@ -28,11 +32,13 @@ from common import best, machine, write_json
 
 from liveshard_core.assign.assign import Problem
 from liveshard_core.layout.layout import Layout, parse_degrees
-from liveshard_core.plan.plan import build_plan
+from liveshard_core.plan.plan import Plan, build_plan
+from liveshard_core.plan.predict import BANDWIDTH, Links, predict
 from liveshard_core.plan.schedule import build_schedule, member_schedule, plan_traffic
 from liveshard_core.plan.union import Union
 from liveshard_core.plan.view import member_plan
 from liveshard_core.policy.layout import Constraints, choose_layout
+from liveshard_core.vps.box import volume
 from liveshard_core.vps.presets import preset
 from liveshard_core.vps.spec import ModelSpec, TransformerConfig
 
@@ -122,6 +128,39 @@ def measure_member(
         "rounds": len(rounds.rounds),
         "checked": schedule is not None,
     }
+
+
+def measure_pods(
+    spec: ModelSpec, old_text: str, new_text: str, per_pod: int, repeat: int
+) -> dict[str, Any]:
+    """Bytes across pods and the predicted pause, with the pods given to the plan and without."""
+    old, new = layouts(spec, old_text, new_text)
+    members = dict.fromkeys([*old.members, *new.members])
+    pods = {m: f"pod-{i // per_pod}" for i, m in enumerate(members)}
+    links = Links(pods, 450e9)
+    with_pods, seconds = best(lambda: build_plan(spec, old, new, pods=pods), repeat)
+    out: dict[str, Any] = {
+        "kind": "pods", "model": spec.config.name, "from": old_text, "to": new_text,
+        "members_per_pod": per_pod, "ranks_from": old.world_size, "ranks_to": new.world_size,
+        "network_bytes": with_pods.network_bytes, "plan_seconds": round(seconds, 4),
+    }  # fmt: skip
+    for label, plan in (("pods", with_pods), ("ignoring_pods", build_plan(spec, old, new))):
+        assert plan.network_bytes == with_pods.network_bytes
+        pause = predict(build_schedule(plan, BUDGET), BANDWIDTH, links=links).pause_seconds
+        out[f"across_pods_bytes_{label}"] = _across(plan, pods)
+        out[f"predicted_pause_seconds_{label}"] = round(pause, 3)
+    return out
+
+
+def _across(plan: Plan, pods: dict[str, str]) -> int:
+    """Network bytes of `plan` between members of different pods."""
+    pod = [pods[m] for m in plan.members]
+    return sum(
+        g.itemsize * len(g.tensors) * volume(p.box)
+        for g in plan.groups
+        for p in plan.pattern_of(g).network
+        if pod[p.src] != pod[p.dst]
+    )
 
 
 def cases(quick: bool) -> list[tuple[ModelSpec, str, str]]:
@@ -259,6 +298,18 @@ def policy_cases(quick: bool) -> list[tuple[ModelSpec, int, str | None, dict[str
     return out
 
 
+def pod_cases(quick: bool) -> list[tuple[ModelSpec, str, str]]:
+    """1024 members, 8 to a pod: tp narrowed inside pods, pp halved, and (full run) a MoE."""
+    llama, qwen = preset("llama-70b"), preset("qwen3-235b-a22b")
+    out = [
+        (llama, "tp=8,pp=8,dp=16,zero=1", "tp=4,pp=8,dp=32,zero=1"),
+        (llama, "tp=8,pp=8,dp=16,zero=1", "tp=8,pp=4,dp=32,zero=1"),
+    ]
+    if not quick:
+        out.append((qwen, "tp=4,pp=8,dp=32,ep=8,zero=1", "tp=2,pp=8,dp=64,ep=8,zero=1"))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="the two headline cases only")
@@ -279,6 +330,8 @@ def main() -> None:
         emit(measure_member(spec, old, new, args.repeat, check))
     for spec, old, new, drop in assign_cases(args.quick):
         emit(measure_assign(spec, old, new, drop, args.repeat))
+    for spec, old, new in pod_cases(args.quick):
+        emit(measure_pods(spec, old, new, 8, args.repeat))
     for spec, members, current, constraints in policy_cases(args.quick):
         emit(measure_policy(spec, members, current, args.repeat, **constraints))
     write_json(args.out, results)

@@ -206,7 +206,7 @@ class Executor:
             self.clients[prepare.member].prepare(
                 epoch=prepare.epoch, store=prepare.store, to=prepare.to, old=prepare.old,
                 lost=list(prepare.lost), budget=prepare.budget, deadlines=prepare.deadlines,
-                at_step=0, restore_from=prepare.restore_from,
+                at_step=0, restore_from=prepare.restore_from, pods=dict(prepare.pods),
             )  # fmt: skip
         except AgentError as err:
             log.warning("job %s: epoch %s: prepare on %s: %s", self.name, prepare.epoch,

@@ -67,6 +67,7 @@ class Prepare:
     budget: int
     deadlines: Deadlines
     restore_from: str
+    pods: tuple[tuple[str, str], ...] = ()  # (member, pod) of members that share a pod
 
 
 @dataclass(frozen=True)

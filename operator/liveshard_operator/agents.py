@@ -126,10 +126,12 @@ class AgentClient:
         deadlines: Deadlines | None = None,
         at_step: int = 0,
         restore_from: str = "",
+        pods: dict[str, str] | None = None,
     ) -> None:
         request = pb.PrepareRequest(
             epoch=epoch, store=pb.StoreAddress(host=store[0], port=store[1]), to=to_proto(to),
             lost=lost or [], budget_bytes=budget, at_step=at_step, restore_from=restore_from,
+            pods=pods or {},
         )  # fmt: skip
         if old is not None:
             getattr(request, "from").CopyFrom(to_proto(old))

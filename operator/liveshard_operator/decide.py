@@ -513,6 +513,8 @@ def _restore(draft: Draft, why: str) -> None:
 def _begin(draft: Draft, plan: InFlight, restores: bool = False) -> None:
     """Ask a member that stays through the change to host the epoch's store; `hosted` then
     records the reconfiguration and asks every member of either layout to prepare it."""
-    new = World.of(plan.epoch, plan.new.layout(draft.job.model))
-    stays = [m for m in new.members if plan.old is None or m in plan.old.members]
-    draft.ask = Begin((stays or list(new.members))[0], replace(plan, new=new), restores)
+    plan = replace(plan, new=World.of(plan.epoch, plan.new.layout(draft.job.model)))
+    stays = [m for m in plan.new.members if plan.old is None or m in plan.old.members]
+    pod_of = draft.seen.pod_of()  # recorded with the change: each member is told the same
+    plan = replace(plan, pods=tuple((m, pod_of[m]) for m in plan.union() if m in pod_of))
+    draft.ask = Begin((stays or list(plan.new.members))[0], plan, restores)

@@ -153,7 +153,7 @@ def prepares(job: Job, seen: Observation, plan: InFlight) -> list[Prepare]:
             continue
         out.append(Prepare(
             member, plan.epoch, plan.store, new, old, plan.lost, spec.budget_bytes,
-            spec.deadlines, plan.restore,
+            spec.deadlines, plan.restore, plan.pods,
         ))  # fmt: skip
     return out
 

@@ -70,6 +70,7 @@ class InFlight:
     old: World | None = None
     lost: tuple[str, ...] = ()
     restore: str = ""
+    pods: tuple[tuple[str, str], ...] = ()  # (member, pod) of members that share a pod
 
     def union(self) -> list[str]:
         old = [m for m in (self.old.members if self.old else ()) if m not in self.lost]
@@ -85,6 +86,8 @@ class InFlight:
             "lost": list(self.lost),
             "restore": self.restore,
             "started": self.started,
+            # A list, which a merge patch replaces whole (a map's keys would be merged).
+            "pods": [{"member": m, "pod": pod} for m, pod in self.pods],
         }
 
     @classmethod
@@ -98,6 +101,7 @@ class InFlight:
             lost=tuple(data.get("lost") or ()),
             restore=str(data.get("restore") or ""),
             started=float(data["started"]),
+            pods=tuple((str(p["member"]), str(p["pod"])) for p in data.get("pods") or ()),
         )
 
 

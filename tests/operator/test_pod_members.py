@@ -11,10 +11,19 @@ from typing import Any
 
 import pytest
 from liveshard_operator import policy, render
-from liveshard_operator.actions import Action, Begin, CreatePod, DeletePod, LabelPod, ReleaseMember
+from liveshard_operator.actions import (
+    Action,
+    Begin,
+    CreatePod,
+    DeletePod,
+    LabelPod,
+    Prepare,
+    ReleaseMember,
+)
 from liveshard_operator.decide import decide
+from liveshard_operator.decision import hosted
 from liveshard_operator.observation import Job, Observation, Pod
-from liveshard_operator.world import Record, World
+from liveshard_operator.world import InFlight, Record, World
 
 from liveshard.v1 import agent_pb2 as pb
 from liveshard_core.assign.nodes import mirror_pairs, pairs_on_one_node
@@ -266,3 +275,26 @@ def test_pods_whose_mirror_pairs_share_a_node_are_not_split_but_reported() -> No
     assert decision.ask is None
     degraded = next(c for c in decision.status["conditions"] if c["type"] == "Degraded")
     assert (degraded["status"], degraded["reason"]) == ("True", "MirrorPairsOnOneNode")
+
+
+def test_a_change_tells_every_member_the_pods_its_plan_takes_bytes_inside() -> None:
+    the_job = two_per_pod(3)
+    old = World.of(1, _layout(the_job, "p0 p1"))
+    grow = pods(list(_training(1, "p0 p1").pods.values()), members("p2", standby()))
+    decision = decide(grow, Record(world=old), the_job, NOW)
+    assert isinstance(decision.ask, Begin)
+    expected = tuple((f"{p}-{k}", p) for p in ("p0", "p1", "p2") for k in range(2))
+    assert sorted(decision.ask.plan.pods) == sorted(expected)
+    # Recorded with the change (so a later pass asks the same), and sent with every Prepare.
+    done = hosted(decision, ("10.0.0.1", 7000))
+    flight = done.record.in_flight
+    assert flight is not None and InFlight.from_dict(flight.to_dict()) == flight
+    sent = [a for a in done.after if isinstance(a, Prepare)]
+    assert len(sent) == 6 and all(a.pods == flight.pods for a in sent)
+    # Pods of one member share nothing: none is named.
+    single = job(3)
+    ones = seen(*(pod(f"w{i}", training(1), role=render.MEMBER) for i in range(2)),
+                pod("w2", standby()))  # fmt: skip
+    world = World.of(1, Layout.create(single.model, ["w0", "w1"], dp=2))
+    decision = decide(ones, Record(world=world), single, NOW)
+    assert isinstance(decision.ask, Begin) and decision.ask.plan.pods == ()

@@ -56,7 +56,7 @@ from liveshard_core.job import Deadlines
 from liveshard_core.layout.layout import Layout
 from liveshard_core.plan.plan import change_digest
 from liveshard_core.plan.schedule import MemberSchedule, member_schedule
-from liveshard_core.plan.union import Union
+from liveshard_core.plan.union import Pods, Union
 from liveshard_core.plan.view import MemberPlan, member_plan
 from liveshard_core.vps.box import Box
 from liveshard_core.vps.spec import ModelSpec, TensorRef
@@ -150,6 +150,7 @@ class Reconfiguration:
         budget: int,
         deadlines: Deadlines | None = None,
         lost: frozenset[str] = frozenset(),
+        pods: Pods | None = None,
         verify: bool | Verification = True,
         memory: MemoryMode = MemoryMode.RESIDENT,
         job: str = "",
@@ -157,6 +158,7 @@ class Reconfiguration:
         seal: Seal | None = None,
     ) -> None:
         """`lost` names old members that died with their state: the plan uses surviving copies.
+        `pods` names the pod of members that share one: the plan takes bytes inside pods first.
         `verify` chooses what the vote compares (`Verification`; True is MOVED, False is NONE:
         the vote then only carries failures, and the bytes are trusted to the transport).
         `memory` chooses how old state and shadow share the device (`MemoryMode`). `seal` is the
@@ -165,6 +167,7 @@ class Reconfiguration:
         if not isinstance(memory, MemoryMode):
             raise TypeError(f"memory must be a MemoryMode, got {memory!r}")
         self.spec, self.old, self.new, self.member, self.lost = spec, old, new, member, lost
+        self.pods = dict(pods or {})
         self.verification = Verification.of(verify)
         self.verify = self.verification is not Verification.NONE
         self.memory_mode, self.job = memory, job
@@ -272,13 +275,13 @@ class Reconfiguration:
             self.hooks.before_prepare()
         claim_epoch(self.job_store, self.epoch, self.member)
         start = time.perf_counter()
-        union = Union(self.old, self.new, self.lost)
+        union = Union(self.old, self.new, self.lost, self.pods)
         self.members = union.members
         # Raises if the member takes no part.
         part = member_plan(self.spec, self.old, self.new, self.member, self.lost, union)
         self.part = part
         self.seconds["plan"] = time.perf_counter() - start
-        self._digest = change_digest(self.spec, self.old, self.new, self.lost)
+        self._digest = change_digest(self.spec, self.old, self.new, self.lost, self.pods)
         agree_on_digest(
             self.job_store, epoch=self.epoch, member=self.member, members=self.members,
             digest=self._digest, budget=self.budget, verification=self.verification,

@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.distributed import ReduceOp
@@ -21,6 +21,7 @@ from torch.distributed import ReduceOp
 from liveshard_core.errors import NoSurvivingCopy
 from liveshard_core.job import Cause, Result
 from liveshard_core.layout.layout import Layout
+from liveshard_core.plan.union import Pods
 
 from ..engine.checksum import Checksums
 from ..engine.state import ShardedState
@@ -45,6 +46,7 @@ class Change:
     lost: frozenset[str] = frozenset()
     budget: int = 256 << 20
     verify: bool = True
+    pods: Pods = field(default_factory=dict)  # the pod of members that share one
 
 
 @dataclass(frozen=True)

@@ -397,7 +397,7 @@ class Member:
         reconfig = Reconfiguration(
             spec=self.spec, old=change.old, new=change.new, member=self.name, store=self.store,
             epoch=change.epoch, device=self.device, budget=change.budget, deadlines=self.deadlines,
-            lost=change.lost, verify=change.verify, job=self.job,
+            lost=change.lost, pods=change.pods, verify=change.verify, job=self.job,
             hooks=dataclasses.replace(self.hooks, before_vote=self._before_vote), seal=self.seal,
         )  # fmt: skip
         self.pending = Pending(

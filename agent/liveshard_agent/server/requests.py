@@ -148,9 +148,14 @@ def prepare(request: pb.PrepareRequest, job: Job) -> PrepareOrder:
             )
     if len(set(lost)) != len(lost):
         raise InvalidInput(f"lost={lost} names a member twice")
+    for name, pod in sorted(request.pods.items()):
+        if name not in old.ranks and name not in new.ranks:
+            raise InvalidInput(f"pods[{name!r}]: {name!r} is a member of neither `from` nor `to`")
+        if not pod:
+            raise InvalidInput(f"pods[{name!r}] is empty: name the member's pod, or leave it out")
     change = Change(
         epoch=number, old=old, new=new, at_step=request.at_step, lost=frozenset(lost),
-        budget=request.budget_bytes or job.budget_bytes,
+        budget=request.budget_bytes or job.budget_bytes, pods=dict(request.pods),
     )  # fmt: skip
     return PrepareOrder(number, Prepare(change, store), old, new, limits, request.at_step)
 

@@ -1,10 +1,11 @@
 """Transfer plans: which member sends which box of which logical tensor when the layout changes.
 
-A plan is a pure function of (model spec, old layout, new layout, lost members). Members are named
-by slot (`union`). Members in both layouts keep what they hold (a local copy); every other byte a
-new rank needs comes from one old holder. A recovery reads a ZeRO-1 layout's parameters from their
-shard's holders only (`source_layout`). Tensors placed alike form a class (`classes`) whose pieces
-are computed once, so planning cost follows the number of distinct pieces, not ranks x tensors.
+A plan is a pure function of (model spec, old layout, new layout, lost members, pods). Members are
+named by slot (`union`). Members in both layouts keep what they hold (a local copy); every other
+byte a new rank needs comes from one old holder, one in its own pod when there is one (`pods`).
+A recovery reads a ZeRO-1 layout's parameters from their shard's holders only (`source_layout`).
+Tensors placed alike form a class (`classes`) whose pieces are computed once, so planning cost
+follows the number of distinct pieces, not ranks x tensors.
 
 Invariants (property-tested): every byte of every new region is covered exactly once; network
 bytes equal the lower bound (`bounds`); the plan is identical wherever it is computed.
@@ -26,9 +27,9 @@ from ..vps.box import volume
 from ..vps.spec import ModelSpec, StateKind, TensorRef
 from .classes import TensorClass, tensor_classes
 from .matching import LostPiece, Piece, Slot, pattern_pieces
-from .union import Union
+from .union import Pods, Union
 
-PLANNER_VERSION = 4  # 4: a recovery from ZeRO-1 reads parameters from their shard's holders
+PLANNER_VERSION = 5  # 5: a needer takes a piece from a holder in its own pod when one holds it
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,7 @@ class Plan:
     patterns: tuple[Pattern, ...]
     groups: tuple[PlanGroup, ...] = field(repr=False)
     lost: frozenset[str] = frozenset()
+    pods: Pods = field(default_factory=dict)
 
     def pattern_of(self, group: PlanGroup) -> Pattern:
         return self.patterns[group.pattern]
@@ -162,32 +164,42 @@ class Plan:
 
     @cached_property
     def digest(self) -> str:
-        return change_digest(self.spec, self.old, self.new, self.lost)
+        return change_digest(self.spec, self.old, self.new, self.lost, self.pods)
 
 
-def change_digest(spec: ModelSpec, old: Layout, new: Layout, lost: frozenset[str]) -> str:
+def change_digest(
+    spec: ModelSpec, old: Layout, new: Layout, lost: frozenset[str], pods: Pods | None = None
+) -> str:
     """SHA-256 over everything a plan is a function of: the planner's version, the model, both
-    layouts with their members, and the lost members. Members compare it before moving any byte:
+    layouts with their members, the lost members and the pods. Members compare it before moving
+    any byte:
     equal digests mean equal plans wherever computed (planning is deterministic, tested across
     processes), also by members that compute only their own part (`view.member_plan`)."""
     h = hashlib.sha256()
     h.update(repr((PLANNER_VERSION, spec.digest, old.describe(), new.describe())).encode())
     for members in (old.members, new.members, sorted(lost)):
         h.update("\0".join(members).encode() + b"\1")
+    for member, pod in sorted((pods or {}).items()):
+        h.update(f"{member}\0{pod}\1".encode())
     return h.hexdigest()
 
 
 def build_plan(
-    spec: ModelSpec, old: Layout, new: Layout, lost: frozenset[str] = frozenset()
+    spec: ModelSpec,
+    old: Layout,
+    new: Layout,
+    lost: frozenset[str] = frozenset(),
+    pods: Pods | None = None,
 ) -> Plan:
     """The full plan from `old` to `new`; both layouts must be feasible for `spec`.
 
     `lost` members died with their state: the plan takes every byte from surviving copies, and
-    raises ValueError naming a tensor that has none.
+    raises ValueError naming a tensor that has none. `pods` names the pod of members that share
+    one: a member takes a piece from a holder in its pod when there is one.
     """
     old.check(spec)
     new.check(spec)
-    union = Union(old, new, lost)
+    union = Union(old, new, lost, pods)
     source = source_layout(old, lost)
     pattern_index: dict[tuple[Placed, Placed], int] = {}
     patterns: list[Pattern] = []
@@ -199,7 +211,9 @@ def build_plan(
             with lost_tensor(spec, cls, lost, source is not old):
                 patterns.append(Pattern(tuple(pattern_pieces(union, cls.old, cls.new))))
         groups.append(PlanGroup(pattern_index[key], cls))
-    return Plan(spec, old, new, union.members, tuple(patterns), tuple(groups), lost)
+    return Plan(
+        spec, old, new, union.members, tuple(patterns), tuple(groups), lost, dict(pods or {})
+    )
 
 
 def source_layout(old: Layout, lost: frozenset[str]) -> Layout:

@@ -131,6 +131,8 @@ def predicted_pause(
     latency: float = LATENCY, links: Links | None = None,
 ) -> float:  # fmt: skip
     """The predicted pause of switching from `old` to `new` with `budget` buffer bytes per
-    member: the plan, cut into rounds, through the model above."""
-    schedule = build_schedule(build_plan(spec, old, new), budget)
+    member: the plan (taking bytes inside pods first, with `links`), cut into rounds, through the
+    model above."""
+    pods = links.pod_of if links is not None else None
+    schedule = build_schedule(build_plan(spec, old, new, pods=pods), budget)
     return predict(schedule, bandwidth, latency, links).pause_seconds

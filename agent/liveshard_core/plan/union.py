@@ -3,12 +3,15 @@
 A plan names members by *slot*: the old members in old rank order, then the members only the new
 layout has, in new rank order. Members that died with their state (`lost`) take no slot.
 `Union` also keeps each placement's partition (`region.Geometry`) and what the whole plan derives
-from two of them: the overlapping boxes by cells, and every cell's holders as slots.
+from two of them: the overlapping boxes by cells, and every cell's holders as slots; and, where
+members share pods (`Pods`: each member's pod; a member it does not name shares none), which live
+holders of a box are in a member's own pod (`near`).
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Mapping
 from dataclasses import replace
 from functools import cached_property
 from itertools import filterfalse
@@ -42,6 +45,9 @@ Pair = tuple[Cell, Cell, list[tuple[int, int, Box]]]
 
 
 CellSlots = dict[Cell, list[Slot]]
+
+Pods = Mapping[str, str]
+"""Each member's pod, for members that share one with others (the devices of one machine)."""
 
 
 class Sources:
@@ -79,12 +85,26 @@ class Union:
     each). Building it costs one pass over the member lists; everything else it answers costs
     what the answer holds."""
 
-    def __init__(self, old: Layout, new: Layout, lost: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self, old: Layout, new: Layout, lost: frozenset[str] = frozenset(), pods: Pods | None = None
+    ) -> None:
         check_change(old, new, lost)
         self.old, self.new, self.lost = old, new, lost
         self.members = union_members(old, new, lost)
         self.slots = dict(zip(self.members, range(len(self.members)), strict=True))
         self.lost_ranks = sorted(old.ranks[m] for m in lost)
+        # Each slot's pod (None: it shares none), and each pod's members by old and new rank.
+        self.pods: list[str | None] | None = None
+        self._pod_ranks: dict[str, list[int]] = {}
+        self._pod_new_ranks: dict[str, list[int]] = {}
+        if pods:
+            self.pods = [pods.get(m) for m in self.members]
+            for member, pod in zip(self.members, self.pods, strict=True):
+                if pod is not None and member in old.ranks:
+                    self._pod_ranks.setdefault(pod, []).append(old.ranks[member])
+            for rank, member in enumerate(new.members):
+                if (pod := pods.get(member)) is not None:
+                    self._pod_new_ranks.setdefault(pod, []).append(rank)
         self._old: dict[Placed, Geometry] = {}
         self._new: dict[Placed, Geometry] = {}
         self._sources: dict[Holders, Sources] = {}
@@ -107,6 +127,31 @@ class Union:
     def old_rank_of_new(self, rank: int) -> int | None:
         """The old rank of the member at new rank `rank`; None when it is new."""
         return self.old.ranks.get(self.new.members[rank])
+
+    def near(self, slot: Slot, holders: Holders) -> list[Slot]:
+        """The live holders among `holders` that share `slot`'s pod, in old rank order (which
+        the slots of old members follow)."""
+        pod = self.pod_of(slot)
+        ranks = self._pod_ranks.get(pod, []) if pod is not None else []
+        return [self.slots[self.old.members[r]] for r in ranks if holders.index(r) is not None]
+
+    def pod_of(self, slot: Slot) -> str | None:
+        return self.pods[slot] if self.pods is not None else None
+
+    def pod_new_ranks(self, slot: Slot) -> list[int]:
+        """The new ranks of the members of `slot`'s pod (none when it shares none)."""
+        pod = self.pod_of(slot)
+        return self._pod_new_ranks.get(pod, []) if pod is not None else []
+
+    def near_by_pod(self, sources: list[Slot]) -> dict[str, list[Slot]]:
+        """`sources` (a cell's live holders) grouped by their pod, each group in slot order."""
+        out: dict[str, list[Slot]] = {}
+        if self.pods is not None:
+            for s in sources:
+                pod = self.pods[s]
+                if pod is not None:
+                    out.setdefault(pod, []).append(s)
+        return out
 
     def old_geometry(self, placed: Placed) -> Geometry:
         if placed not in self._old:

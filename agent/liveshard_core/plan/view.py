@@ -63,7 +63,7 @@ def member_plan(
     union: Union | None = None,
 ) -> MemberPlan:
     """`member`'s part of the plan from `old` to `new`. `union` (built once per change, one pass
-    over the member lists) may be shared by several calls."""
+    over the member lists, with the change's pods) may be shared by several calls."""
     old.check(spec)
     new.check(spec)
     union = union or Union(old, new, lost)

@@ -81,7 +81,14 @@ class HostStoreResponse(_message.Message):
     def __init__(self, address: _Optional[_Union[StoreAddress, _Mapping]] = ...) -> None: ...
 
 class PrepareRequest(_message.Message):
-    __slots__ = ("epoch", "store", "to", "lost", "budget_bytes", "deadlines", "at_step", "restore_from")
+    __slots__ = ("epoch", "store", "to", "lost", "budget_bytes", "deadlines", "at_step", "restore_from", "pods")
+    class PodsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STORE_FIELD_NUMBER: _ClassVar[int]
     FROM_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +98,7 @@ class PrepareRequest(_message.Message):
     DEADLINES_FIELD_NUMBER: _ClassVar[int]
     AT_STEP_FIELD_NUMBER: _ClassVar[int]
     RESTORE_FROM_FIELD_NUMBER: _ClassVar[int]
+    PODS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     store: StoreAddress
     to: Layout
@@ -99,7 +107,8 @@ class PrepareRequest(_message.Message):
     deadlines: Deadlines
     at_step: int
     restore_from: str
-    def __init__(self, epoch: _Optional[int] = ..., store: _Optional[_Union[StoreAddress, _Mapping]] = ..., to: _Optional[_Union[Layout, _Mapping]] = ..., lost: _Optional[_Iterable[str]] = ..., budget_bytes: _Optional[int] = ..., deadlines: _Optional[_Union[Deadlines, _Mapping]] = ..., at_step: _Optional[int] = ..., restore_from: _Optional[str] = ..., **kwargs) -> None: ...
+    pods: _containers.ScalarMap[str, str]
+    def __init__(self, epoch: _Optional[int] = ..., store: _Optional[_Union[StoreAddress, _Mapping]] = ..., to: _Optional[_Union[Layout, _Mapping]] = ..., lost: _Optional[_Iterable[str]] = ..., budget_bytes: _Optional[int] = ..., deadlines: _Optional[_Union[Deadlines, _Mapping]] = ..., at_step: _Optional[int] = ..., restore_from: _Optional[str] = ..., pods: _Optional[_Mapping[str, str]] = ..., **kwargs) -> None: ...
 
 class PrepareResponse(_message.Message):
     __slots__ = ()

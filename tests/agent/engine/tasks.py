@@ -139,6 +139,7 @@ def switch(
     verify: bool | str = Verification.STATE.value,
     memory: str = MemoryMode.RESIDENT.value,
     corrupt: bool = False,
+    pods: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """One member's side of a switch from `old` to `new` (degrees text, members), starting from
     the seeded state (or the state kept from the previous task with `keep`). The tests verify the
@@ -158,7 +159,7 @@ def switch(
     reconfig = Reconfiguration(
         spec=spec, old=old_layout, new=new_layout, member=member, store=store, epoch=epoch,
         device=CPU, budget=budget, deadlines=Deadlines(*deadlines), lost=frozenset(lost),
-        verify=Verification(verify) if isinstance(verify, str) else verify,
+        pods=pods, verify=Verification(verify) if isinstance(verify, str) else verify,
         memory=MemoryMode(memory), job="test", hooks=inject(fault),
     )  # fmt: skip
     old_world = None

@@ -105,6 +105,18 @@ def test_killed_peer_aborts_survivors_then_they_recover_without_it(pool: Pool) -
     assert all(r["committed"] and not r["wrong_boxes"] for r in recovery.values()), recovery
 
 
+def test_a_switch_takes_bytes_inside_pods_and_its_members_agree_on_them(pool: Pool) -> None:
+    # Two pods of two, tp inside pods: dp=4 takes each member's other tp half from its pod.
+    old, new = ("tp=2,dp=2,zero=1", names(4)), ("dp=4,zero=1", names(4))
+    pods = {"m0": "a", "m1": "a", "m2": "b", "m3": "b"}
+    results = run_switch(pool, "tiny", old, new, pods=pods)
+    assert all(r["committed"] and not r["wrong_boxes"] for r in results.values()), results
+    # The pods are part of the plan: a member told other pods refuses to move a byte.
+    other = {"m3": {"pods": {**pods, "m3": "c"}}}
+    results = run_switch(pool, "tiny", old, new, pods=pods, only=other)
+    assert all(r["mismatch"] and r["intact"] for r in results.values()), results
+
+
 def test_stalled_peer_aborts_at_the_deadline(pool: Pool) -> None:
     old, new = ("dp=2,zero=1", names(2)), ("dp=3,zero=1", names(3))
     deadline = 3.0

@@ -175,6 +175,10 @@ BAD_PREPARES = [
      "this agent, 'a0', is a member of neither"),
     ({"from": layout(["a1", "a2"], dp=2), "to": layout(["a0", "a1"], dp=2), "lost": ["a3"]},
      Code.INVALID_ARGUMENT, "lost[0]='a3' must be a member of `from`"),
+    ({"from": layout(["a1", "a2"], dp=2), "to": layout(["a0", "a1"], dp=2), "pods": {"a3": "p"}},
+     Code.INVALID_ARGUMENT, "pods['a3']: 'a3' is a member of neither `from` nor `to`"),
+    ({"from": layout(["a1", "a2"], dp=2), "to": layout(["a0", "a1"], dp=2), "pods": {"a1": ""}},
+     Code.INVALID_ARGUMENT, "pods['a1'] is empty"),
     ({"from": layout(["a1"]), "to": layout(["a0"]), "restore_from": "/x"},
      Code.INVALID_ARGUMENT, "restore_from: only the job's first world"),
 ]  # fmt: skip

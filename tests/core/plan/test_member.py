@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from liveshard_core.errors import InvalidInput
 from liveshard_core.layout.layout import Layout
-from liveshard_core.plan.plan import Plan, build_plan
+from liveshard_core.layout.region import region
+from liveshard_core.plan.plan import Plan, build_plan, source_layout
 from liveshard_core.plan.schedule import (
     Traffic,
     build_schedule,
@@ -27,14 +28,14 @@ from liveshard_core.plan.union import Union
 from liveshard_core.plan.view import MemberPlan, member_plan
 from liveshard_core.vps.presets import preset
 from liveshard_core.vps.spec import ModelSpec
-from tests.core.helpers import Case, cases
+from tests.core.helpers import Case, cases, check_plan, inside
 from tests.core.plan.test_large import layouts
 from tests.core.plan.test_schedule import min_budget
 from tests.helpers import names
 
 
 def parts(spec: ModelSpec, plan: Plan, members: list[str] | None = None) -> list[MemberPlan]:
-    union = Union(plan.old, plan.new, plan.lost)
+    union = Union(plan.old, plan.new, plan.lost, plan.pods)
     chosen = plan.members if members is None else members
     return [member_plan(spec, plan.old, plan.new, m, plan.lost, union) for m in chosen]
 
@@ -60,26 +61,48 @@ def check_schedules(plan: Plan, members: list[MemberPlan], budget: int) -> None:
         assert own.local_copies(part.slot) == whole.local_copies(part.slot)
 
 
+def check_inside_pods(spec: ModelSpec, plan: Plan) -> None:
+    """Every piece a member takes from another comes from its own pod when a live member of its
+    pod held it (by brute force over the old regions)."""
+    source = source_layout(plan.old, plan.lost)
+    for ref, _, piece in plan.items():
+        if piece.src == piece.dst or plan.members[piece.dst] not in plan.pods:
+            continue
+        pod = plan.pods[plan.members[piece.dst]]
+        near = [
+            m for m in plan.members
+            if plan.pods.get(m) == pod and m in source.ranks
+            and any(inside(piece.box, b) for b in region(spec, source, source.ranks[m], ref))
+        ]  # fmt: skip
+        assert not near or plan.members[piece.src] in near, (ref, piece, near)
+
+
 @st.composite
-def lost_cases(draw: st.DrawFn) -> tuple[Case, frozenset[str]]:
-    """A change, and some old members that leave it lost (died with their state)."""
+def lost_cases(draw: st.DrawFn) -> tuple[Case, frozenset[str], dict[str, str]]:
+    """A change, some old members that leave it lost (died with their state), and the pods
+    some of its members share (none, or up to three pods)."""
     case = draw(cases(max_world=6))
     leaving = [m for m in case.old.members if m not in case.new.members]
     lost = draw(st.lists(st.sampled_from(leaving), unique=True)) if leaving else []
-    return case, frozenset(lost)
+    members = sorted(set(case.old.members) | set(case.new.members))
+    where = st.one_of(st.none(), st.sampled_from(["p0", "p1", "p2"]))
+    pods = draw(st.one_of(st.just({}), st.fixed_dictionaries({m: where for m in members})))
+    return case, frozenset(lost), {m: pod for m, pod in pods.items() if pod is not None}
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(lost_cases(), st.data())
 def test_member_part_and_schedule_equal_the_whole(
-    drawn: tuple[Case, frozenset[str]], data: st.DataObject
+    drawn: tuple[Case, frozenset[str], dict[str, str]], data: st.DataObject
 ) -> None:
-    case, lost = drawn
+    case, lost, pods = drawn
     try:
-        plan = build_plan(case.spec, case.old, case.new, lost)
+        plan = build_plan(case.spec, case.old, case.new, lost, pods)
     except InvalidInput:
         assume(False)  # a lost box without copies: no plan at all
         raise
+    check_plan(case.spec, case.old, case.new, plan, lost)  # pods change sources, not bytes
+    check_inside_pods(case.spec, plan)
     members = parts(case.spec, plan)
     for part in members:
         check_part(plan, part)
@@ -134,3 +157,33 @@ def test_traffic_of_another_plan_is_refused() -> None:
         member_traffic(part).from_vector([1, 2, 3])
     with pytest.raises(InvalidInput, match="slot"):
         member_schedule(part, member_traffic(part), 1 << 20).slot_rounds(part.slot + 1)
+
+
+def test_pieces_are_taken_inside_pods_where_a_holder_is() -> None:
+    # Two pods of two, tp inside pods; dp=4 needs both tp halves everywhere. The other half is
+    # held in each member's pod (by its tp partner) and in the other pod: with pods, every piece
+    # comes from the partner; without, the rotation over both holders sends some across.
+    tiny = preset("tiny")
+    old = Layout.create(tiny, names(4), dp=2, tp=2)
+    new = Layout.create(tiny, names(4), dp=4)
+    pods = {"m0": "a", "m1": "a", "m2": "b", "m3": "b"}
+    plan = build_plan(tiny, old, new, pods=pods)
+    alone = build_plan(tiny, old, new)
+    check_plan(tiny, old, new, plan)
+    members = parts(tiny, plan)
+    for part in members:
+        check_part(plan, part)
+    check_schedules(plan, members, min_budget(plan))
+
+    def across(p: Plan) -> int:
+        pod = [pods[m] for m in p.members]
+        return sum(1 for _, _, t in p.items() if pod[t.src] != pod[t.dst])
+
+    assert plan.network_bytes == alone.network_bytes > 0
+    assert across(plan) == 0 < across(alone)
+    assert plan.digest != alone.digest
+    # A needer whose pod holds nothing of a box takes it from anywhere: a third pod joining.
+    grown = Layout.create(tiny, names(6), dp=3, tp=2)
+    plan = build_plan(tiny, old, grown, pods={**pods, "m4": "c", "m5": "c"})
+    check_plan(tiny, old, grown, plan)
+    check_inside_pods(tiny, plan)
