@@ -318,6 +318,26 @@ def test_predict(capsys: pytest.CaptureFixture[str]) -> None:
     assert s["peak_buffer_bytes"] == 1499008
 
 
+def test_pods_keep_bytes_inside_them_and_the_dry_run_costs_them_at_their_link(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Two pods of two, tp inside pods; dp=4 takes each member's other tp half from its pod.
+    change = ["--model", "tiny", "--from", "tp=2,dp=2", "--to", "dp=4", "--assign", "ordered",
+              "--predict", "--bandwidth", "1GB/s", "--latency", "0s"]  # fmt: skip
+    alone = run_json(capsys, *change)
+    pods = run_json(capsys, *change, "--members-per-pod", "2", "--pod-bandwidth", "100GB/s")
+    assert "across_pods_bytes" not in alone and pods["across_pods_bytes"] == 0
+    assert pods["network_bytes"] == alone["network_bytes"] > 0
+    assert pods["plan_hash"] != alone["plan_hash"]
+    # Every byte crosses the pod's link at 100 GB/s instead of the network's 1 GB/s.
+    assert pods["predicted_pause_seconds"] < alone["predicted_pause_seconds"] / 10
+    # One member's part is its part of the same plan.
+    view = run_json(capsys, *change[:8], "--members-per-pod", "2", "--rank", "0")
+    assert {e["peer"] for e in view["recvs"]} == {"1"}
+    assert main(["plan", *change, "--members-per-pod", "0"]) == 2
+    assert "--members-per-pod 0 must be at least 1" in capsys.readouterr().err
+
+
 def run_command(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
     assert main([*argv, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -7,6 +7,9 @@ that has none), `--add` says how many new members join. `--assign best` (the def
 survivors take the new ranks so that the fewest bytes cross the network, leaving surplus
 survivors as spares; `--assign ordered` keeps them in their old order (`liveshard_core.members`
 states both). `--predict` adds the predicted pause of the schedule (`plan.predict`).
+`--members-per-pod N` puts members N to a pod in that numbering (a pod of N GPUs): the plan takes
+each piece from a holder in the needer's pod when there is one, and the dry run costs the bytes
+inside a pod at `--pod-bandwidth`.
 """
 
 from __future__ import annotations
@@ -15,14 +18,15 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from ..errors import InvalidInput
 from ..layout.layout import Layout, parse_degrees
 from ..members import Assign, Change, MemberChange, resolve_change
 from ..plan.bounds import lower_bound_bytes
 from ..plan.matching import Piece
 from ..plan.plan import Plan, build_plan, source_layout
-from ..plan.predict import predict
+from ..plan.predict import Links, predict
 from ..plan.schedule import Op, Schedule, build_schedule, member_schedule, plan_traffic
-from ..plan.union import union_members
+from ..plan.union import Pods, union_members
 from ..plan.view import plan_view
 from ..vps.box import Box, volume
 from ..vps.presets import resolve_model
@@ -56,6 +60,13 @@ def add_parser(sub: Any) -> None:
     plan.add_argument("--predict", action="store_true", help="add the predicted pause")
     plan.add_argument("--bandwidth", default="25GB/s", help="one member's link, for --predict")
     plan.add_argument("--latency", default="1ms", help="time added to every round, for --predict")
+    plan.add_argument(
+        "--members-per-pod", type=int, default=1,
+        help="members per pod (a pod of several GPUs), numbered in order: 0..N-1 share the first",
+    )  # fmt: skip
+    plan.add_argument(
+        "--pod-bandwidth", default="450GB/s", help="one member's link inside its pod, for --predict"
+    )
     plan.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -73,14 +84,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         Assign(args.assign),
     )  # fmt: skip
     lost = member_change.lost_members()
+    pods = pods_of(change.old, change.new, args.members_per_pod)
     if args.rank is not None:
-        return view_summary(spec, change.old, change.new, str(args.rank), lost, budget)
+        return view_summary(spec, change.old, change.new, str(args.rank), lost, budget, pods)
     summary, plan, schedule = plan_summary(
-        spec, change.old, change.new, budget, lost, change, seconds
+        spec, change.old, change.new, budget, lost, change, seconds, pods
     )
     if args.predict:
-        summary.update(predict_summary(plan, schedule, bandwidth, latency))
+        links = Links(pods, parse_rate(args.pod_bandwidth, "--pod-bandwidth")) if pods else None
+        summary.update(predict_summary(plan, schedule, bandwidth, latency, links))
     return summary
+
+
+def pods_of(old: Layout, new: Layout, per_pod: int) -> dict[str, str]:
+    """Each member's pod, `per_pod` members to a pod in member number order (none for 1)."""
+    if per_pod < 1:
+        raise InvalidInput(f"--members-per-pod {per_pod} must be at least 1")
+    if per_pod == 1:
+        return {}
+    return {m: f"pod-{int(m) // per_pod}" for m in dict.fromkeys([*old.members, *new.members])}
 
 
 def plan_summary(
@@ -91,11 +113,12 @@ def plan_summary(
     lost: frozenset[str] = frozenset(),
     change: Change | None = None,
     assign_seconds: float = 0.0,
+    pods: Pods | None = None,
 ) -> tuple[dict[str, Any], Plan, Schedule]:
     """The figures `liveshard plan --json` prints for a whole plan, with the plan and schedule."""
 
     def plan_and_hash() -> tuple[Plan, str]:
-        plan = build_plan(spec, old, new, lost)
+        plan = build_plan(spec, old, new, lost, pods)
         return plan, plan.digest
 
     (plan, digest), plan_seconds = timed(plan_and_hash)
@@ -125,6 +148,14 @@ def plan_summary(
         "schedule_seconds": round(schedule_seconds, 4),
         "plan_hash": digest,
     }
+    if pods:
+        pod = [pods[m] for m in plan.members]
+        out["across_pods_bytes"] = sum(
+            g.itemsize * len(g.tensors) * volume(p.box)
+            for g in plan.groups
+            for p in plan.pattern_of(g).network
+            if pod[p.src] != pod[p.dst]
+        )
     if change is not None:
         out.update(
             {
@@ -141,10 +172,10 @@ def plan_summary(
 
 
 def predict_summary(
-    plan: Plan, schedule: Schedule, bandwidth: float, latency: float
+    plan: Plan, schedule: Schedule, bandwidth: float, latency: float, links: Links | None = None
 ) -> dict[str, Any]:
     """The dry-run figures `--predict` adds."""
-    prediction = predict(schedule, bandwidth, latency)
+    prediction = predict(schedule, bandwidth, latency, links)
     members = plan.members
     return {
         "predicted_pause_seconds": round(prediction.pause_seconds, 6),
@@ -164,13 +195,14 @@ def view_summary(
     member: str,
     lost: frozenset[str],
     budget: int,
+    pods: Pods | None = None,
 ) -> dict[str, Any]:
     """The figures, rounds and pieces `liveshard plan --rank R --json` prints for one member.
     The member's rounds need the plan's traffic, which agents unite by one all-reduce; here it
     comes from the whole plan (`plan_seconds` counts the member's own work only)."""
-    view, seconds = timed(plan_view, spec, old, new, member, lost)
+    view, seconds = timed(plan_view, spec, old, new, member, lost, pods)
     part = view.part
-    traffic = plan_traffic(build_plan(spec, old, new, lost))
+    traffic = plan_traffic(build_plan(spec, old, new, lost, pods))
     rounds = member_schedule(part, traffic, budget).slot_rounds(part.slot)
     members = union_members(old, new, lost)
 

@@ -172,9 +172,9 @@ def change_digest(
 ) -> str:
     """SHA-256 over everything a plan is a function of: the planner's version, the model, both
     layouts with their members, the lost members and the pods. Members compare it before moving
-    any byte:
-    equal digests mean equal plans wherever computed (planning is deterministic, tested across
-    processes), also by members that compute only their own part (`view.member_plan`)."""
+    any byte: equal digests mean equal plans wherever computed (planning is deterministic,
+    tested across processes), also by members that compute only their own part
+    (`view.member_plan`)."""
     h = hashlib.sha256()
     h.update(repr((PLANNER_VERSION, spec.digest, old.describe(), new.describe())).encode())
     for members in (old.members, new.members, sorted(lost)):

@@ -20,7 +20,7 @@ from .classes import TensorClass, tensor_classes
 from .matching import Piece, Slot, member_pieces
 from .plan import lost_tensor, source_layout
 from .schedule import Position, member_position
-from .union import Union
+from .union import Pods, Union
 
 
 @dataclass(frozen=True)
@@ -99,11 +99,17 @@ class PlanView:
 
 
 def plan_view(
-    spec: ModelSpec, old: Layout, new: Layout, member: str, lost: frozenset[str] = frozenset()
+    spec: ModelSpec,
+    old: Layout,
+    new: Layout,
+    member: str,
+    lost: frozenset[str] = frozenset(),
+    pods: Pods | None = None,
 ) -> PlanView:
-    """`member`'s part of the plan, expanded to (tensor, piece) lists."""
+    """`member`'s part of the plan (taking bytes inside `pods` first), expanded to (tensor,
+    piece) lists."""
     if member in lost:
         raise InvalidInput(f"member {member!r} is lost and takes no part in the plan")
-    part = member_plan(spec, old, new, member, lost)
+    part = member_plan(spec, old, new, member, lost, Union(old, new, lost, pods))
     local, sends, recvs = part.expanded()
     return PlanView(part, tuple(local), tuple(sends), tuple(recvs))
