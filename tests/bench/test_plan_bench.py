@@ -19,7 +19,7 @@ def test_plan_benchmark_quick(tmp_path: Path) -> None:
     )  # fmt: skip
     rows = json.loads(out.read_text())
     kinds = {r["kind"] for r in rows}
-    assert kinds == {"plan", "member", "assign", "policy"}
+    assert kinds == {"plan", "member", "assign", "policy", "pods"}
     for r in rows:
         if r["kind"] == "member":
             assert r["checked"] and r["rounds"] > 0  # equal to the whole schedule's part
@@ -27,3 +27,6 @@ def test_plan_benchmark_quick(tmp_path: Path) -> None:
             assert r["lower_bound_bytes"] <= r["best_network_bytes"] <= r["ordered_network_bytes"]
         if r["kind"] == "plan":
             assert r["network_bytes"] > 0 and r["rounds"] > 0
+        if r["kind"] == "pods":  # the pods choose only the senders
+            assert r["across_pods_bytes_pods"] <= r["across_pods_bytes_ignoring_pods"]
+            assert r["across_pods_bytes_ignoring_pods"] <= r["network_bytes"]
