@@ -32,13 +32,12 @@ from common import best, machine, write_json
 
 from liveshard_core.assign.assign import Problem
 from liveshard_core.layout.layout import Layout, parse_degrees
-from liveshard_core.plan.plan import Plan, build_plan
+from liveshard_core.plan.plan import build_plan
 from liveshard_core.plan.predict import BANDWIDTH, Links, predict
 from liveshard_core.plan.schedule import build_schedule, member_schedule, plan_traffic
 from liveshard_core.plan.union import Union
 from liveshard_core.plan.view import member_plan
 from liveshard_core.policy.layout import Constraints, choose_layout
-from liveshard_core.vps.box import volume
 from liveshard_core.vps.presets import preset
 from liveshard_core.vps.spec import ModelSpec, TransformerConfig
 
@@ -147,20 +146,9 @@ def measure_pods(
     for label, plan in (("pods", with_pods), ("ignoring_pods", build_plan(spec, old, new))):
         assert plan.network_bytes == with_pods.network_bytes
         pause = predict(build_schedule(plan, BUDGET), BANDWIDTH, links=links).pause_seconds
-        out[f"across_pods_bytes_{label}"] = _across(plan, pods)
+        out[f"across_pods_bytes_{label}"] = plan.across_pods_bytes(pods)
         out[f"predicted_pause_seconds_{label}"] = round(pause, 3)
     return out
-
-
-def _across(plan: Plan, pods: dict[str, str]) -> int:
-    """Network bytes of `plan` between members of different pods."""
-    pod = [pods[m] for m in plan.members]
-    return sum(
-        g.itemsize * len(g.tensors) * volume(p.box)
-        for g in plan.groups
-        for p in plan.pattern_of(g).network
-        if pod[p.src] != pod[p.dst]
-    )
 
 
 def cases(quick: bool) -> list[tuple[ModelSpec, str, str]]:

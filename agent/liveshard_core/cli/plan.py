@@ -149,13 +149,7 @@ def plan_summary(
         "plan_hash": digest,
     }
     if pods:
-        pod = [pods[m] for m in plan.members]
-        out["across_pods_bytes"] = sum(
-            g.itemsize * len(g.tensors) * volume(p.box)
-            for g in plan.groups
-            for p in plan.pattern_of(g).network
-            if pod[p.src] != pod[p.dst]
-        )
+        out["across_pods_bytes"] = plan.across_pods_bytes()
     if change is not None:
         out.update(
             {

@@ -145,6 +145,16 @@ class Plan:
             for g in self.groups
         )
 
+    def across_pods_bytes(self, pods: Pods | None = None) -> int:
+        """Network bytes between members that share no pod, by `pods` (else the plan's own)."""
+        pod = [(self.pods if pods is None else pods).get(m) for m in self.members]
+        return sum(
+            self._bytes(volume(p.box), g)
+            for g in self.groups
+            for p in self.pattern_of(g).network
+            if pod[p.src] is None or pod[p.src] != pod[p.dst]
+        )
+
     @cached_property
     def local_bytes(self) -> int:
         return sum(self._bytes(self.pattern_of(g).local_elements, g) for g in self.groups)

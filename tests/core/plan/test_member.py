@@ -181,6 +181,8 @@ def test_pieces_are_taken_inside_pods_where_a_holder_is() -> None:
 
     assert plan.network_bytes == alone.network_bytes > 0
     assert across(plan) == 0 < across(alone)
+    assert plan.across_pods_bytes() == 0 < alone.across_pods_bytes(pods) < alone.network_bytes
+    assert alone.across_pods_bytes() == alone.network_bytes  # no pods: every byte crosses
     assert plan.digest != alone.digest
     # A needer whose pod holds nothing of a box takes it from anywhere: a third pod joining.
     grown = Layout.create(tiny, names(6), dp=3, tp=2)
