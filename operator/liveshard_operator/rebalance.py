@@ -181,8 +181,7 @@ def _pause(spec: JobSpec, draft: Draft, old: Layout, new: Layout) -> float:
     hardware = policy.hardware(spec)
     links = None
     if spec.members_per_pod > 1:  # a pod's members share its devices' links
-        pod_of = {name: pod.pod_name for name, pod in draft.seen.pods.items()}
-        links = Links(pod_of, hardware.tp_bandwidth)
+        links = Links(draft.seen.pod_of(), hardware.tp_bandwidth)  # the pods a change is told
     return predicted_pause(draft.job.model, old, new, spec.budget_bytes,
                            hardware.network_bandwidth, hardware.latency, links)  # fmt: skip
 
