@@ -90,8 +90,9 @@ class Draft:
     def decision(self) -> Decision:
         report = Report(self.message, tuple(self.spares), self.last, self.failure,
                         self.finished, self.exported, self.missing)  # fmt: skip
+        deleting = {p.pod_name for p in self.seen.pods.values() if p.deleting}
         return Decision(self.job, self.seen, self.now, self.record, report,
-                        _once(self.before), _once(self.after), self.ask,
+                        _once(self.before, deleting), _once(self.after, deleting), self.ask,
                         self.unaborted)  # fmt: skip
 
     def keep_pods(self, wanted: int, members: set[str], saved: int = 0) -> None:
@@ -117,9 +118,11 @@ class Draft:
                 self.after.append(LabelPod(pod, role))
 
 
-def _once(actions: list[Action]) -> tuple[Action, ...]:
-    """`actions` with each pod deleted once (a pod of several members is named by each)."""
-    deleted: set[str] = set()
+def _once(actions: list[Action], deleting: set[str]) -> tuple[Action, ...]:
+    """`actions` with each pod deleted once (a pod of several members is named by each), and
+    none whose deletion was asked already (`deleting`: asked again, every pass of its grace
+    period would send a DELETE)."""
+    deleted = set(deleting)
     out = []
     for action in actions:
         if isinstance(action, DeletePod):

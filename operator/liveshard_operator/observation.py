@@ -74,6 +74,7 @@ class Pod:
     node: str = ""  # the node it is scheduled on ("": not yet)
     pod: str = ""  # the pod's name, when it is not `name` (a pod of several members)
     ended: float = 0.0  # when its last container ended, for a gone pod (seconds since the epoch)
+    deleting: bool = False  # its deletion was asked already (it has a deletionTimestamp)
 
     @property
     def pod_name(self) -> str:
@@ -208,4 +209,5 @@ def pod_of(
         unschedulable=unschedulable, failure=failure(pod),
         node=(pod.get("spec") or {}).get("nodeName") or "",
         ended=_ended_at(pod) if gone(pod) else 0.0,
+        deleting=bool(meta.get("deletionTimestamp")),
     )  # fmt: skip

@@ -924,6 +924,23 @@ def test_the_pods_of_past_members_that_ended_are_kept_but_the_last_few(
     assert sorted(a.pod for a in decision.after if isinstance(a, DeletePod)) == deleted
 
 
+def test_a_pod_whose_deletion_was_asked_is_not_deleted_again() -> None:
+    # Every pass of a pod's grace period sees it; the DELETE was sent once. The history counts
+    # the ended pods not yet being deleted.
+    the_job = job(3, faultTolerance={"snapshots": False, "failedPodsHistoryLimit": 1})
+    ended = [
+        replace(pod(name, None, role=M, gone=True), ended=NOW - age, deleting=deleting)
+        for name, age, deleting in (("p5", 300, True), ("p6", 10, False), ("p7", 60, False))
+    ]
+    decision = decide(seen(*TRAINING3[:2], *ended), Record(world=W3), the_job, NOW)
+    assert [a.pod for a in decision.after if isinstance(a, DeletePod)] == ["p7"]
+    silent = CASES["silent for twice the op deadline: its pod is deleted and it counts as lost"]
+    pods = {n: replace(p, deleting=True) if n == "p2" else p for n, p in silent.seen.pods.items()}
+    again = decide(Observation(pods), silent.record, silent.job, NOW)
+    assert not [a for a in again.after if isinstance(a, DeletePod)]
+    assert again.record == decide(silent.seen, silent.record, silent.job, NOW).record
+
+
 def test_the_history_limit_of_ended_pods_is_checked() -> None:
     with pytest.raises(InvalidInput, match="failedPodsHistoryLimit=-1 must be an integer >= 0"):
         job(3, faultTolerance={"failedPodsHistoryLimit": -1})

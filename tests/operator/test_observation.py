@@ -40,6 +40,7 @@ def test_leaving_and_gone(
 ) -> None:
     pod = pod_of(raw(**fields), leaving_nodes, standby())
     assert (pod.leaving, pod.gone, pod.role, pod.ip) == (leaving, gone, "member", "10.0.0.1")
+    assert pod.deleting == ("metadata__deletionTimestamp" in fields)
     assert pod.standing_by == (not leaving and not gone)
 
 
