@@ -98,6 +98,9 @@ class Executor:
     # flight: its watch event need not wake the job's loop, whose wait then follows a member of
     # that reconfiguration (`sentinel`) and wakes when that member has news.
     quiet: str | None = None
+    # Whether a Prepare or a commit the last pass sent failed where the agent may answer later
+    # (unavailable, deadline exceeded): the next pass sends it again, after `RESEND`.
+    unsent: bool = False
 
     def write(self, status: dict[str, Any]) -> str:
         """Write the pass's status; the job's version after it."""
@@ -116,6 +119,7 @@ class Executor:
         decision = self._answer(decision)
         written = self.write(decision.status)
         self.quiet = written if decision.record.in_flight is not None else None
+        self.unsent = False
         calls = [a for a in decision.after if isinstance(a, Prepare | ReleaseMember | CommitOn)]
         fan_out(lambda action: self._do(decision, action), calls)
         for action in decision.after:
@@ -171,6 +175,7 @@ class Executor:
                 try:
                     self.clients[member].switch(epoch, 0)
                 except (AgentError, KeyError) as err:  # told again on the next pass
+                    self._failed(err)
                     log.warning("job %s: telling %s that epoch %s committed: %s", self.name,
                                 member, epoch, err)  # fmt: skip
             case Event():
@@ -209,8 +214,13 @@ class Executor:
                 at_step=0, restore_from=prepare.restore_from, pods=dict(prepare.pods),
             )  # fmt: skip
         except AgentError as err:
+            self._failed(err)
             log.warning("job %s: epoch %s: prepare on %s: %s", self.name, prepare.epoch,
                         prepare.member, err)  # fmt: skip
+
+    def _failed(self, err: Exception) -> None:
+        if isinstance(err, AgentError) and err.retryable:
+            self.unsent = True
 
     def _post(self, decision: Decision, event: Event) -> None:
         try:

@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 # Earlier operators ran each job's loop as a kopf daemon, and kopf put this finalizer on every job
 # a daemon served; a pass takes it off, so that a job stays deletable once the operator is gone.
 LEGACY_FINALIZER = "liveshard.io/finalizer"
+# Seconds before the next pass sends again a Prepare or commit that an agent did not take for
+# now (unavailable, past its deadline): a reconfiguration waits on every member's Prepare.
+RESEND = 0.5
 
 
 class JobController:
@@ -78,8 +81,11 @@ class JobController:
         self.metrics.forget(self.job)
 
     def wait(self, wake: threading.Event, seconds: float) -> None:
-        """The wait after a pass: until `wake` is set or `seconds` passed, or, while a
+        """The wait after a pass: until `wake` is set or `seconds` passed (`RESEND` at most when
+        a Prepare or commit of the pass failed where the agent may answer later), or, while a
         reconfiguration is in flight, its watched member's verdict changed (`sentinel`)."""
+        if self.executor.unsent:
+            seconds = min(seconds, RESEND)
         sentinel.wait(wake, seconds, self.watched)
 
     def reconcile(self) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import datetime
+import threading
 from typing import Any
 
 import grpc
@@ -237,6 +238,30 @@ def test_the_controller_observes_decides_and_acts(monkeypatch: pytest.MonkeyPatc
     clients.update({m: FakeAgent(m, calls) for m in pods.pods})  # type: ignore[misc]
     assert controller.reconcile()
     assert kinds(calls)[:2] == ["host_store p0", "status"]
+
+
+@pytest.mark.parametrize(
+    ("refuse", "waits"),
+    [((), 30.0), (("prepare",), controller_module.RESEND), (("prepare:INVALID_ARGUMENT",), 30.0)],
+)
+def test_a_prepare_the_agent_may_take_later_is_sent_again_soon(
+    monkeypatch: pytest.MonkeyPatch, refuse: tuple[str, ...], waits: float
+) -> None:
+    # Unavailable or past its deadline, the Prepare goes again after RESEND, not the period
+    # (the change waits on every member's); a refusal waits for news or the period.
+    pods = seen(*(pod(f"p{i}", standby()) for i in range(4)))
+    calls: Calls = []
+    monkeypatch.setattr(controller_module, "observe", lambda *_: pods)
+    controller = JobController(FakeKube(calls, BODY), "ns", "tiny", lambda *_: None)  # type: ignore[arg-type]
+    controller.clients.update(
+        {m: FakeAgent(m, calls, refuse if m == "p2" else ()) for m in pods.pods}  # type: ignore[misc]
+    )
+    assert controller.reconcile()
+    assert sorted(c[1] for c in calls if c[0] == "prepare") == ["p0", "p1", "p2", "p3"]
+    waited: list[float] = []
+    monkeypatch.setattr(controller_module.sentinel, "wait", lambda _w, s, _f: waited.append(s))
+    controller.wait(threading.Event(), 30.0)
+    assert waited == [waits]
 
 
 class Changed(FakeKube):
