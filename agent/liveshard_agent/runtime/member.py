@@ -237,9 +237,10 @@ class Member:
 
     def train_step(self, stepped: Callable[[StepRecord], None] | None = None) -> StepRecord:
         """Train one step; its last all-reduce also carries this member's readiness for the
-        pending change and checkpoint (see `at_boundary`). `stepped`: see `Trainer.step`."""
+        pending change and checkpoint (see `at_boundary`), read as it begins: a prepare that
+        ended during the step says so in it. `stepped`: see `Trainer.step`."""
         assert self.trainer is not None, f"{self.name} is standing by"
-        record = self.trainer.step(self._readiness().to_vector(), stepped)
+        record = self.trainer.step(lambda: self._readiness().to_vector(), stepped)
         self._agreement = Readiness.from_vector(record.agreement)
         self.last_loss = record.loss
         self.last_exchange_seconds = record.exchange_seconds

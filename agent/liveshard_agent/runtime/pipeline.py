@@ -24,6 +24,7 @@ gradient runs no backward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -61,12 +62,13 @@ def train_step(
     step: int,
     adam_step: int,
     first_sample: int,
-    agreement: tuple[float, ...] = (),
+    agreement: Callable[[], tuple[float, ...]] = tuple,
 ) -> StepStats:
     """Train `step` on the global batch of samples `first_sample ..`; `adam_step` numbers the
-    update (1 for the first). `agreement` values are summed over the world in the update's
+    update (1 for the first). `agreement`'s values are summed over the world in the update's
     all-reduce (the global norm's, which also sums the loss), so that members can agree on
-    something at every step boundary without a collective of its own."""
+    something at every step boundary without a collective of its own. They are asked for just
+    before it, after the backward: what ended during the step (a prepare) is said in it."""
     weights, settings = model.weights, model.settings
     layout = weights.layout
     pp_i, dp_i, tp_i = layout.coords(weights.rank)
@@ -99,7 +101,8 @@ def train_step(
     )
     # So are the step's measured costs: each rank adds its layers' share.
     share = job_share(model.clock.collect(), model.cfg.layers, layout.world_size // layout.pp)
-    update = optimizer.step(step, adam_step, (*totals, *agreement, *share))
+    agreed = agreement()
+    update = optimizer.step(step, adam_step, (*totals, *agreed, *share))
     total_micro = settings.global_batch // settings.micro_batch
     summed = update.totals[2:]
     return StepStats(
@@ -107,8 +110,8 @@ def train_step(
         aux_loss=update.totals[1] / total_micro,
         update=update,
         samples=tuple(stage.fed),
-        agreement=summed[: len(agreement)],
-        costs=StepCosts.from_vector(summed[len(agreement) :]),
+        agreement=summed[: len(agreed)],
+        costs=StepCosts.from_vector(summed[len(agreed) :]),
     )
 
 

@@ -164,14 +164,15 @@ class Trainer:
 
     def step(
         self,
-        agreement: tuple[float, ...] = (),
+        agreement: Callable[[], tuple[float, ...]] = tuple,
         stepped: Callable[[StepRecord], None] | None = None,
     ) -> StepRecord:
-        """Train step `scalars.step` and advance the scalars; `agreement` values come back summed
-        over the world (see `pipeline.train_step`). `stepped` is told the step's record once its
-        update is applied, before ZeRO-1 shares the updated rows (`Optimizer.share`): a world
-        that breaks in the sharing leaves the step trained, its record told, its update in this
-        member's shards and the other rows waiting for the recovery (`plan.source_layout`)."""
+        """Train step `scalars.step` and advance the scalars; `agreement`'s values, asked for
+        after the backward, come back summed over the world (see `pipeline.train_step`).
+        `stepped` is told the step's record once its update is applied, before ZeRO-1 shares
+        the updated rows (`Optimizer.share`): a world that breaks in the sharing leaves the step
+        trained, its record told, its update in this member's shards and the other rows waiting
+        for the recovery (`plan.source_layout`)."""
         if self.reshare:
             self.optimizer.share()
             self.reshare = False
