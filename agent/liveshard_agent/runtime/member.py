@@ -237,7 +237,7 @@ class Member:
 
     def train_step(self, stepped: Callable[[StepRecord], None] | None = None) -> StepRecord:
         """Train one step; its last all-reduce also carries this member's readiness for the
-        pending change and checkpoint (see `at_boundary`), read as it begins: a prepare that
+        pending change and checkpoint (see `at_boundary`), read just before it: a prepare that
         ended during the step says so in it. `stepped`: see `Trainer.step`."""
         assert self.trainer is not None, f"{self.name} is standing by"
         record = self.trainer.step(lambda: self._readiness().to_vector(), stepped)
