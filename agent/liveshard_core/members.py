@@ -18,16 +18,20 @@ Which survivor takes which new rank is the *assignment* (`Assign`):
   (`assign`), ties broken by the busiest receiver; survivors that no rank needs stay as spares.
   When the in-order assignment (surplus survivors cut from the end) is as good on both counts,
   it is the one taken, so members change places only when that moves fewer bytes. Replaced
-  members leave, and their replacements join like added members.
+  members leave, and their replacements join like added members. Members in pods of several
+  (`per_pod`, numbered in order: `numbered_pods`) fill each tensor-parallel group of a new layout
+  with tp > 1 from one pod, as the operator places them: the pod-aligned groups that keep the
+  most bytes (`assign.grouped_members`), when the pods hold enough whole groups.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 
-from .assign.assign import Assignment, Problem
+from .assign.assign import Assignment, Problem, grouped_members, pod_slots
 from .errors import InvalidInput
 from .layout.layout import Degrees, Layout
 from .plan.plan import source_layout
@@ -115,8 +119,10 @@ def resolve_change(
     new_degrees: Degrees,
     change: MemberChange,
     assign: Assign = Assign.BEST,
+    per_pod: int = 1,
 ) -> Change:
-    """The old and new layout of `change` under `assign`, and both assignments' figures."""
+    """The old and new layout of `change` under `assign` (members `per_pod` to a pod), and both
+    assignments' figures."""
     if assign is Assign.ORDERED:
         old, new = apply_change(spec, old_degrees, new_degrees, change)
     else:
@@ -132,21 +138,49 @@ def resolve_change(
     )
     # What the survivors hold as the plan reads it (a recovery from ZeRO-1: parameters from
     # their shard's holders only), so that the assignment's bytes are the plan's.
-    problem = Problem(spec, source_layout(old, change.lost_members()), new_degrees)
+    source = source_layout(old, change.lost_members())
+    problem = Problem(spec, source, new_degrees)
     ordered = problem.given(_in_order(old, change, need, joiners), survivors)
     best = problem.best(survivors, joiners)
     if assign is Assign.ORDERED:
         chosen = problem.given([int(m) if m in old.ranks else None for m in new.members], survivors)
-    else:
-        # The in-order assignment, when it is as good, is kept: fewer members change places.
-        as_good = (ordered.network_bytes, ordered.max_recv_bytes) <= (
-            best.network_bytes, best.max_recv_bytes,
-        )  # fmt: skip
-        chosen = ordered if as_good else best
-        fresh = (str(n) for n in itertools.count(old.world_size))
-        members = [str(m) if m is not None else next(fresh) for m in chosen.members_to]
-        new = new_degrees.layout(spec, members)
-    return Change(old, new, assign, chosen, best, ordered)
+        return Change(old, new, assign, chosen, best, ordered)
+    in_pods = _in_pods(spec, source, new_degrees, survivors, joiners, per_pod)
+    if in_pods is not None:
+        chosen = problem.given([int(m) if m in old.ranks else None for m in in_pods], survivors)
+        return Change(old, new_degrees.layout(spec, in_pods), assign, chosen, best, ordered)
+    # The in-order assignment, when it is as good, is kept: fewer members change places.
+    as_good = (ordered.network_bytes, ordered.max_recv_bytes) <= (
+        best.network_bytes, best.max_recv_bytes,
+    )  # fmt: skip
+    chosen = ordered if as_good else best
+    fresh = (str(n) for n in itertools.count(old.world_size))
+    members = [str(m) if m is not None else next(fresh) for m in chosen.members_to]
+    return Change(old, new_degrees.layout(spec, members), assign, chosen, best, ordered)
+
+
+def _in_pods(
+    spec: ModelSpec, old: Layout, degrees: Degrees, survivors: list[int], joiners: int,
+    per_pod: int,
+) -> list[str] | None:  # fmt: skip
+    """The members of `degrees`' layout in rank order with each tensor-parallel group from one
+    pod (`per_pod` members to a pod by number, joiners numbered after the old members): None
+    without pods or tp, or when the pods hold too few whole groups."""
+    fresh = range(old.world_size, old.world_size + joiners)
+    members = [*(old.members[i] for i in survivors), *(str(n) for n in fresh)]
+    slots = pod_slots(members, degrees.tp, old, numbered_pods(members, per_pod))
+    if slots is None or len(slots) * degrees.tp < degrees.world_size:
+        return None
+    return grouped_members(spec, old, degrees, slots)
+
+
+def numbered_pods(members: Iterable[str], per_pod: int) -> dict[str, str]:
+    """Each member's pod, `per_pod` members to a pod in member number order (none for 1)."""
+    if per_pod < 1:
+        raise InvalidInput(f"--members-per-pod {per_pod} must be at least 1")
+    if per_pod == 1:
+        return {}
+    return {m: f"pod-{int(m) // per_pod}" for m in members}
 
 
 def _check_numbers(old: Layout, change: MemberChange) -> None:

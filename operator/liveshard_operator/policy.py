@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from liveshard_core.assign import nodes as assign_nodes
-from liveshard_core.assign.assign import grouped_members, placed_members
+from liveshard_core.assign.assign import grouped_members, placed_members, pod_slots
 from liveshard_core.assign.nodes import balanced, pairs_on_one_node, spread
 from liveshard_core.layout.layout import Degrees, Layout
 from liveshard_core.policy.layout import Constraints, choose_layout
@@ -73,7 +73,7 @@ def assign(
     crowded nodes first), spread so that the fewest mirror pairs share a node. Members in pods
     of several (`pod_of`) fill each tensor-parallel group from one pod: the groups are slots of
     a pod's members, placed to keep the most bytes (`grouped_members`)."""
-    slots = _slots(survivors + joiners, degrees.tp, old, pod_of)
+    slots = pod_slots(survivors + joiners, degrees.tp, old, pod_of)
     if slots is not None and len(slots) * degrees.tp >= degrees.world_size:
         members = grouped_members(spec, old, degrees, slots)
     else:
@@ -81,24 +81,6 @@ def assign(
             joiners = balanced(joiners, node_of, survivors)
         members = placed_members(spec, old, degrees, survivors, iter(joiners).__next__)
     return spread(degrees, members, survivors, node_of)
-
-
-def _slots(
-    members: list[str], tp: int, old: Layout | None, pod_of: Mapping[str, str] | None
-) -> list[list[str]] | None:
-    """`members` cut into tensor-parallel slots of one pod each: a pod's members in their old
-    rank order (joiners after, by name), tp at a time (None without pods or tp)."""
-    if not pod_of or tp == 1:
-        return None
-    ranks = {m: r for r, m in enumerate(old.members)} if old is not None else {}
-    pods: dict[str, list[str]] = {}
-    for member in members:
-        pods.setdefault(pod_of.get(member, member), []).append(member)
-    out = []
-    for mates in pods.values():
-        mates.sort(key=lambda m: (ranks.get(m, len(ranks)), m))
-        out += [mates[i : i + tp] for i in range(0, len(mates) - tp + 1, tp)]
-    return out
 
 
 def respread(
@@ -139,7 +121,7 @@ def pick(
     """A first layout's `used` members (no state to keep) out of the `ready` pods, in rank
     order: mirrored, those on the least crowded nodes first, spread so that the fewest mirror
     pairs share a node; in pods of several (`pod_of`), tp at a time from one pod."""
-    slots = _slots(ready, degrees.tp, None, pod_of)
+    slots = pod_slots(ready, degrees.tp, None, pod_of)
     if slots is not None and len(slots) * degrees.tp >= used:
         ready = [m for slot in slots for m in slot]
     elif degrees.mirror:

@@ -338,6 +338,28 @@ def test_pods_keep_bytes_inside_them_and_the_dry_run_costs_them_at_their_link(
     assert "--members-per-pod 0 must be at least 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("old", "new", "drop"), [("tp=2,dp=3", "tp=2,dp=2", "2"), ("tp=2,dp=3", "tp=2,dp=2", "1")]
+)
+def test_the_best_assignment_keeps_each_tp_group_inside_a_pod(
+    capsys: pytest.CaptureFixture[str], old: str, new: str, drop: str
+) -> None:
+    # Pods of two; a member leaves and its pod-mate can form a tp group with no one: without
+    # pods the best assignment takes it into a group split over two pods, with pods it stays
+    # a spare, as the operator places members.
+    change = ["--model", "tiny", "--from", old, "--to", new, "--drop", drop]
+    alone = run_json(capsys, *change)
+    pods = run_json(capsys, *change, "--members-per-pod", "2")
+
+    def pods_of_groups(members_to: list[int]) -> list[set[int]]:
+        return [{m // 2 for m in members_to[i : i + 2]} for i in range(0, len(members_to), 2)]
+
+    assert any(len(g) > 1 for g in pods_of_groups(alone["members_to"]))
+    assert all(len(g) == 1 for g in pods_of_groups(pods["members_to"]))
+    assert pods["spares"] == [int(drop) ^ 1] and pods["across_pods_bytes"] == 0
+    assert pods["network_bytes"] >= alone["network_bytes"]
+
+
 def run_command(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
     assert main([*argv, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

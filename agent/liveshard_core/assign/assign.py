@@ -24,7 +24,7 @@ of the solver. It is what the figures compare with.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -180,6 +180,26 @@ def grouped_members(
                 cost[:, s] -= kept[rows, column[ranks[member]]] + bonus
     chosen = min_cost_assignment(groups, len(slots), lambda g: cost[g])
     return [member for g in range(groups) for member in slots[int(chosen[g])]]
+
+
+def pod_slots(
+    members: Sequence[str], tp: int, old: Layout | None, pod_of: Mapping[str, str] | None
+) -> list[list[str]] | None:
+    """`members` cut into tensor-parallel slots of one pod each (`pod_of`: a member's pod, itself
+    when absent), for `grouped_members`: a pod's members in their `old` rank order (joiners
+    after, by name), tp at a time; a pod's members left over fill no slot. None without pods or
+    tp."""
+    if not pod_of or tp == 1:
+        return None
+    ranks = {m: r for r, m in enumerate(old.members)} if old is not None else {}
+    pods: dict[str, list[str]] = {}
+    for member in members:
+        pods.setdefault(pod_of.get(member, member), []).append(member)
+    out = []
+    for mates in pods.values():
+        mates.sort(key=lambda m: (ranks.get(m, len(ranks)), m))
+        out += [mates[i : i + tp] for i in range(0, len(mates) - tp + 1, tp)]
+    return out
 
 
 def ordered_assignment(

@@ -18,9 +18,8 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import InvalidInput
 from ..layout.layout import Layout, parse_degrees
-from ..members import Assign, Change, MemberChange, resolve_change
+from ..members import Assign, Change, MemberChange, numbered_pods, resolve_change
 from ..plan.bounds import lower_bound_bytes
 from ..plan.matching import Piece
 from ..plan.plan import Plan, build_plan, source_layout
@@ -81,10 +80,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     latency = parse_seconds(args.latency, "--latency")
     change, seconds = timed(
         resolve_change, spec, parse_degrees(args.old), parse_degrees(args.new), member_change,
-        Assign(args.assign),
+        Assign(args.assign), args.members_per_pod,
     )  # fmt: skip
     lost = member_change.lost_members()
-    pods = pods_of(change.old, change.new, args.members_per_pod)
+    pods = numbered_pods([*change.old.members, *change.new.members], args.members_per_pod)
     if args.rank is not None:
         return view_summary(spec, change.old, change.new, str(args.rank), lost, budget, pods)
     summary, plan, schedule = plan_summary(
@@ -94,15 +93,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         links = Links(pods, parse_rate(args.pod_bandwidth, "--pod-bandwidth")) if pods else None
         summary.update(predict_summary(plan, schedule, bandwidth, latency, links))
     return summary
-
-
-def pods_of(old: Layout, new: Layout, per_pod: int) -> dict[str, str]:
-    """Each member's pod, `per_pod` members to a pod in member number order (none for 1)."""
-    if per_pod < 1:
-        raise InvalidInput(f"--members-per-pod {per_pod} must be at least 1")
-    if per_pod == 1:
-        return {}
-    return {m: f"pod-{int(m) // per_pod}" for m in dict.fromkeys([*old.members, *new.members])}
 
 
 def plan_summary(

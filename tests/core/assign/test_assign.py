@@ -13,6 +13,7 @@ from liveshard_core.assign.assign import (
     best_assignment,
     grouped_members,
     ordered_assignment,
+    pod_slots,
 )
 from liveshard_core.errors import InvalidInput
 from liveshard_core.layout.layout import Degrees, Layout, parse_degrees
@@ -149,3 +150,13 @@ def test_grouped_members_keep_the_most_bytes_a_pod_aligned_choice_can(
     assert placed == min(len(old.members), new.world_size) and network(groups) == best
     with pytest.raises(InvalidInput, match="slots of tp=2"):
         grouped_members(TINY, old, new, [["a", "b"]])
+
+
+def test_pod_slots_cut_each_pod_tp_at_a_time_in_old_rank_order() -> None:
+    old = parse_degrees("dp=4").layout(TINY, ["d", "c", "b", "a"])
+    pod_of = {"a": "p0", "b": "p0", "c": "p0", "d": "p1", "e": "p1", "f": "p2"}
+    members = ["a", "b", "c", "d", "e", "f"]
+    # p0: c, b, a by old rank (one left over); p1: d, then the joiner e; f alone fills none.
+    assert pod_slots(members, 2, old, pod_of) == [["c", "b"], ["d", "e"]]
+    assert pod_slots(members, 2, None, pod_of) == [["a", "b"], ["d", "e"]]
+    assert pod_slots(members, 1, old, pod_of) is None and pod_slots(members, 2, old, {}) is None
