@@ -109,6 +109,7 @@ class Executor:
     def run(self, decision: Decision) -> Decision:
         """Carry out `decision` (see the module's docstring for the order); the decision carried
         out (a reconfiguration's begin recorded once its store is hosted)."""
+        self.unsent = False
         aborts = [a for a in decision.before if isinstance(a, AbortOn)]
         overtaking = [r for r in fan_out(self._abort, aborts) if r is not None]
         if overtaking and decision.unaborted is not None:
@@ -119,7 +120,6 @@ class Executor:
         decision = self._answer(decision)
         written = self.write(decision.status)
         self.quiet = written if decision.record.in_flight is not None else None
-        self.unsent = False
         calls = [a for a in decision.after if isinstance(a, Prepare | ReleaseMember | CommitOn)]
         fan_out(lambda action: self._do(decision, action), calls)
         for action in decision.after:
