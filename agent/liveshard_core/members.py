@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 
-from .assign.assign import Assignment, Problem, grouped_members, pod_slots
+from .assign.assign import Assignment, Problem, pod_grouped_members
 from .errors import InvalidInput
 from .layout.layout import Degrees, Layout
 from .plan.plan import source_layout
@@ -168,10 +168,7 @@ def _in_pods(
     without pods or tp, or when the pods hold too few whole groups."""
     fresh = range(old.world_size, old.world_size + joiners)
     members = [*(old.members[i] for i in survivors), *(str(n) for n in fresh)]
-    slots = pod_slots(members, degrees.tp, old, numbered_pods(members, per_pod))
-    if slots is None or len(slots) * degrees.tp < degrees.world_size:
-        return None
-    return grouped_members(spec, old, degrees, slots)
+    return pod_grouped_members(spec, old, degrees, members, numbered_pods(members, per_pod))
 
 
 def numbered_pods(members: Iterable[str], per_pod: int) -> dict[str, str]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from liveshard_core.assign import nodes as assign_nodes
-from liveshard_core.assign.assign import grouped_members, placed_members, pod_slots
+from liveshard_core.assign.assign import placed_members, pod_grouped_members, pod_slots
 from liveshard_core.assign.nodes import balanced, pairs_on_one_node, spread
 from liveshard_core.layout.layout import Degrees, Layout
 from liveshard_core.policy.layout import Constraints, choose_layout
@@ -73,10 +73,8 @@ def assign(
     crowded nodes first), spread so that the fewest mirror pairs share a node. Members in pods
     of several (`pod_of`) fill each tensor-parallel group from one pod: the groups are slots of
     a pod's members, placed to keep the most bytes (`grouped_members`)."""
-    slots = pod_slots(survivors + joiners, degrees.tp, old, pod_of)
-    if slots is not None and len(slots) * degrees.tp >= degrees.world_size:
-        members = grouped_members(spec, old, degrees, slots)
-    else:
+    members = pod_grouped_members(spec, old, degrees, survivors + joiners, pod_of)
+    if members is None:
         if degrees.mirror:
             joiners = balanced(joiners, node_of, survivors)
         members = placed_members(spec, old, degrees, survivors, iter(joiners).__next__)

@@ -202,6 +202,22 @@ def pod_slots(
     return out
 
 
+def pod_grouped_members(
+    spec: ModelSpec,
+    old: Layout,
+    degrees: Degrees,
+    members: Sequence[str],
+    pod_of: Mapping[str, str] | None,
+) -> list[str] | None:
+    """The members of `degrees`' layout in rank order, each tensor-parallel group one pod's slot
+    of `members` (`pod_slots`) placed to keep the most bytes (`grouped_members`); None without
+    pods or tp, or when the pods hold too few whole groups."""
+    slots = pod_slots(members, degrees.tp, old, pod_of)
+    if slots is None or len(slots) * degrees.tp < degrees.world_size:
+        return None
+    return grouped_members(spec, old, degrees, slots)
+
+
 def ordered_assignment(
     spec: ModelSpec, old: Layout, new: Layout, survivors: Sequence[int], joiners: int
 ) -> Assignment:
