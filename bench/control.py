@@ -14,7 +14,7 @@ For each size, in one run:
   the farm starting their agents, the first world prepared and started);
 - steady: one reconcile pass with nothing to do (best and median of 10), and its API requests
   and agent calls;
-- shrink by 1/64 of the members (at least 1) and grow back: from the spec change to the
+- shrink by 1/64 of the members (at least one pod) and grow back: from the spec change to the
   reconfiguration recorded as committed in the job's status, with the passes it took, the API
   requests and agent calls made meanwhile. Nothing is transferred, so this is the control
   overhead of a reconfiguration: the operator's passes, the agents' prepare, the members'
@@ -33,6 +33,7 @@ it (`sentinel`) and ends when that member's verdict changes; else 2 s after the 
 
     python bench/control.py [--members 64 256 1024] [--out bench/results/control.json]
     python bench/control.py --no-resolver    # the store connects' name lookups fail at once
+    python bench/control.py --members-per-pod 8    # pods of 8 members, behind the pod's proxy
 """
 
 from __future__ import annotations
@@ -283,25 +284,27 @@ def until(kube: SimKube, controller: JobController, calls: Calls, members: int,
     }
 
 
-def job_manifest(members: int) -> dict[str, Any]:
+def job_manifest(members: int, per_pod: int = 1) -> dict[str, Any]:
     job = yaml.safe_load((ROOT / "examples" / "tiny-job.yaml").read_text())
     job["metadata"] = {"name": JOB, "namespace": NAMESPACE, "uid": "bench"}
     spec = job["spec"]
-    spec.update(replicas=members, minReplicas=1, maxReplicas=members)
-    spec["parallelism"] = {"zero": 0}
+    pods = members // per_pod  # replicas count pods
+    spec.update(replicas=pods, minReplicas=1, maxReplicas=pods, membersPerPod=per_pod)
+    spec["parallelism"] = {"zero": 0, "tp": 1, "pp": 1}
     # Both sizes this run asks for divide the global batch's micro-batches: the operator keeps
     # every member (dp = members) in each.
-    spec["training"].update(globalBatch=_lcm_batch(members), microBatch=1)
+    spec["training"].update(globalBatch=_lcm_batch(members, per_pod), microBatch=1)
     return job
 
 
-def _lcm_batch(members: int) -> int:
+def _lcm_batch(members: int, per_pod: int) -> int:
     """A global batch that dp = `members` and dp = `members` less 1/64 both divide."""
-    return math.lcm(members, members - _step(members))
+    return math.lcm(members, members - _step(members, per_pod))
 
 
-def _step(members: int) -> int:
-    return max(1, members // 64)
+def _step(members: int, per_pod: int) -> int:
+    """The members a shrink removes: 1/64 of them, at least one, in whole pods."""
+    return max(1, members // 64 // per_pod) * per_pod
 
 
 def _farm(conn: Any, step_seconds: float, clock_zero: float) -> None:
@@ -319,7 +322,7 @@ class Farms:
 
     PER_FARM = 128
 
-    def __init__(self, members: int, step_seconds: float) -> None:
+    def __init__(self, members: int, step_seconds: float, per_pod: int) -> None:
         ctx = mp.get_context("spawn")
         zero = time.time()
         self.conns, self.procs = [], []
@@ -332,7 +335,8 @@ class Farms:
         self.locks = [threading.Lock() for _ in self.conns]  # one per farm's pipe
         self.choosing = threading.Lock()  # the placement below
         self.owner: dict[str, int] = {}
-        self.load = [0] * len(self.conns)
+        self.load = [0] * len(self.conns)  # members
+        self.per_pod = per_pod
 
     def _ask(self, farm: int, message: tuple[Any, ...], answer: bool) -> Any:
         with self.locks[farm]:
@@ -342,7 +346,7 @@ class Farms:
     def start(self, name: str, environ: dict[str, str]) -> Any:
         with self.choosing:
             farm = self.load.index(min(self.load))
-            self.load[farm] += 1
+            self.load[farm] += self.per_pod
             self.owner[name] = farm
         return self._ask(farm, ("start", name, environ), answer=True)
 
@@ -350,7 +354,7 @@ class Farms:
         with self.choosing:
             farm = self.owner.pop(name, None)
             if farm is not None:
-                self.load[farm] -= 1
+                self.load[farm] -= self.per_pod
         if farm is not None:
             self._ask(farm, ("stop", name), answer=False)
 
@@ -374,16 +378,17 @@ class Farms:
                 proc.kill()
 
 
-def one_size(members: int, step_seconds: float) -> dict[str, Any]:
-    farms = Farms(members, step_seconds)
+def one_size(members: int, step_seconds: float, per_pod: int = 1) -> dict[str, Any]:
+    farms = Farms(members, step_seconds, per_pod)
     kube = SimKube(farms)
     calls = Calls()
     events: Counter[str] = Counter()
-    kube.put(JOB_PATH, job_manifest(members))
+    kube.put(JOB_PATH, job_manifest(members, per_pod))
     controller = JobController(kube, NAMESPACE, JOB, lambda _j, _t, reason, _m: events.update(
         [reason]))  # fmt: skip
     rss_before = _rss()
-    out: dict[str, Any] = {"members": members, "step_seconds": step_seconds}
+    out: dict[str, Any] = {"members": members, "members_per_pod": per_pod,
+                           "step_seconds": step_seconds}  # fmt: skip
     try:
         out["start"] = until(kube, controller, calls, members, 600)
         steady, requests, agent_calls = [], Counter(kube.requests), Counter(calls.count)
@@ -399,10 +404,10 @@ def one_size(members: int, step_seconds: float) -> dict[str, Any]:
             "api_requests_per_pass": {k: v / 10 for k, v in (kube.requests - requests).items()},
             "agent_calls_per_pass": {k: v / 10 for k, v in (calls.count - agent_calls).items()},
         }
-        smaller = members - _step(members)
-        kube.scale(smaller)
+        smaller = members - _step(members, per_pod)
+        kube.scale(smaller // per_pod)
         out["shrink"] = {"to": smaller, **until(kube, controller, calls, smaller, 300)}
-        kube.scale(members)
+        kube.scale(members // per_pod)
         out["grow"] = {"to": members, **until(kube, controller, calls, members, 300)}
         agreed = farms.agreed()
         for change in (out["start"], out["shrink"], out["grow"]):
@@ -460,6 +465,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--members", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--step-seconds", type=float, default=1.0)
     parser.add_argument("--quick", action="store_true", help="8 members (a smoke run)")
+    parser.add_argument(
+        "--members-per-pod", type=int, default=1,
+        help="members in each pod (one per GPU of a node): the operator asks each pod for its "
+        "members' statuses in one call, and sends the others' calls through its proxy",
+    )  # fmt: skip
     parser.add_argument("--out", default="bench/results/control.json")
     parser.add_argument(
         "--no-resolver", action="store_true",
@@ -470,9 +480,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_resolver and not os.environ.get(_NO_RESOLVER):
         _without_resolver(argv if argv is not None else sys.argv[1:])
     assert "torch" not in sys.modules
+    sizes = [8] if args.quick else args.members
+    if any(members % args.members_per_pod for members in sizes):
+        parser.error(f"--members-per-pod={args.members_per_pod} must divide every size {sizes}")
     results = []
-    for members in [8] if args.quick else args.members:
-        result = one_size(members, args.step_seconds)
+    for members in sizes:
+        result = one_size(members, args.step_seconds, args.members_per_pod)
         print(json.dumps(result), flush=True)
         results.append(result)
     assert "torch" not in sys.modules, "the operator's process imported torch"

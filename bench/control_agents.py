@@ -9,20 +9,28 @@ the switch step with the other members of a change through the change's c10d sto
 members agree in their step's all-reduce: each says it is prepared, and the first to see all of
 them prepared records the step two steps ahead, at which every member switches.
 
+A pod of several members (LIVESHARD_POD_MEMBERS from 2) is what `liveshard_agent.server.pod`
+makes of it: an agent per member on its Unix socket, behind the pod's proxy on the pod's address
+(mutual TLS, the calls forwarded unparsed, GetPodStatus answered with every member's status);
+here they are threads of the farm, not processes.
+
 `serve_farm` runs in a process of its own, fed over a pipe: ("start", name, environ) starts a
-pod's agent and answers ("ready", name) or ("failed", name, why); ("stop", name) stops one (its
+pod's agents and answers ("ready", name) or ("failed", name, why); ("stop", name) stops one (its
 pod was deleted); ("agreed",) answers `AGREED` and `OBEYED`; ("quit",) ends the farm.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from torch.distributed import Store
@@ -36,6 +44,7 @@ from liveshard_agent.runtime.trainer import Scalars, StepRecord
 from liveshard_agent.server.certs import ServingCertificate
 from liveshard_agent.server.config import load
 from liveshard_agent.server.inbox import CommandInbox
+from liveshard_agent.server.pod import Proxy, member_env, pod_members, serve_api
 from liveshard_agent.server.reporter import Reporter, observe
 from liveshard_agent.server.requests import Job
 from liveshard_agent.server.rpc import start_server
@@ -294,28 +303,59 @@ class _Agent:
         self.server.stop(0)
 
 
+class _Pod:
+    """One pod: its lone agent, or its proxy in front of an agent per member."""
+
+    def __init__(self, environ: dict[str, str], specs: dict[str, ModelSpec],
+                 step_seconds: float, clock_zero: float) -> None:  # fmt: skip
+        config = load(environ, [])
+        self.folder: Path | None = None
+        self.server: Any = None
+        if config.pod_members == 1:
+            self.agents = [_Agent(environ, specs, step_seconds, clock_zero)]
+            return
+        self.folder = Path(tempfile.mkdtemp(prefix="liveshard-"))
+        members = pod_members(config, self.folder)
+        self.agents = [
+            _Agent(member_env(environ, m, k, len(members)), specs, step_seconds, clock_zero)
+            for k, m in enumerate(members)
+        ]
+        tls = ServingCertificate(config.tls) if config.tls is not None else None
+        self.proxy = Proxy(members, tls)
+        self.server = serve_api(config, self.proxy, tls)
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop(0)
+            self.proxy.close()
+        for agent in self.agents:
+            agent.stop()
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
 def serve_farm(conn: Connection, step_seconds: float, clock_zero: float) -> None:
-    """Serve the agents the operator's pods ask for (see the module's docstring)."""
+    """Serve the pods the operator asks for (see the module's docstring)."""
     logging.basicConfig(level=logging.WARNING)
-    agents: dict[str, _Agent] = {}
+    pods: dict[str, _Pod] = {}
     specs: dict[str, ModelSpec] = {}
     while True:
         message = conn.recv()
         if message[0] == "quit":
-            for agent in agents.values():
-                agent.stop()
+            for pod in pods.values():
+                pod.stop()
             return
         if message[0] == "agreed":
             conn.send((dict(AGREED), dict(OBEYED)))
             continue
         if message[0] == "stop":
-            agent = agents.pop(message[1], None)
-            if agent is not None:
-                agent.stop()
+            pod = pods.pop(message[1], None)
+            if pod is not None:
+                pod.stop()
             continue
         _, name, environ = message
         try:
-            agents[name] = _Agent(environ, specs, step_seconds, clock_zero)
+            pods[name] = _Pod(environ, specs, step_seconds, clock_zero)
         except Exception as err:
             conn.send(("failed", name, f"{type(err).__name__}: {err}"))
         else:

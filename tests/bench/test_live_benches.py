@@ -14,12 +14,14 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_bench(name: str, out: Path) -> Any:
+def run_bench(name: str, out: Path, *flags: str) -> Any:
     subprocess.run(
-        [sys.executable, str(ROOT / "bench" / name), "--quick", "--out", str(out)],
+        [sys.executable, str(ROOT / "bench" / name), "--quick", "--out", str(out), *flags],
         check=True, capture_output=True, text=True, timeout=420,
     )  # fmt: skip
     return json.loads(out.read_text())
@@ -53,17 +55,18 @@ def test_training_benchmark_quick(tmp_path: Path) -> None:
         assert r["pause_seconds"] > 0 and r["checkpoint_restart_seconds"] > 0
 
 
-def test_control_benchmark_quick(tmp_path: Path) -> None:
-    # The real operator over 8 simulated agents: started, shrunk by one member and grown back,
-    # each change committed as a new epoch, without torch in the operator's process.
-    report = run_bench("control.py", tmp_path / "control.json")
+@pytest.mark.parametrize("per_pod", [1, 4])
+def test_control_benchmark_quick(tmp_path: Path, per_pod: int) -> None:
+    # The real operator over 8 simulated agents, in pods of `per_pod` (several: behind the pod's
+    # proxy): started, shrunk by one pod and grown back, each change committed as a new epoch,
+    # without torch in the operator's process.
+    report = run_bench("control.py", tmp_path / "control.json", "--members-per-pod", str(per_pod))
     (size,) = report["sizes"]
-    assert size["members"] == 8
+    assert size["members"] == 8 and size["members_per_pod"] == per_pod
     assert size["start"]["epoch"] < size["shrink"]["epoch"] < size["grow"]["epoch"]
-    assert size["shrink"]["to"] == 7 and size["grow"]["to"] == 8
-    assert (
-        size["shrink"]["agent_calls"]["Release"] == 1 and size["grow"]["api_requests"]["POST"] == 1
-    )
+    assert size["shrink"]["to"] == 8 - per_pod and size["grow"]["to"] == 8
+    assert size["shrink"]["agent_calls"]["Release"] == per_pod
+    assert size["grow"]["api_requests"]["POST"] == 1
     for change in (size["shrink"], size["grow"]):
         assert change["agent_calls"]["Prepare"] == 8
         assert 0 < change["control_seconds"] < change["seconds"]
@@ -72,7 +75,9 @@ def test_control_benchmark_quick(tmp_path: Path) -> None:
         parts = change["parts_seconds"]
         assert parts["prepares_taken"] > 0 and parts["commit_seen"] > 0, parts
         assert parts["all_said_prepared"] > -0.5 and parts["prepares_obeyed"] > -0.5, parts
-    assert size["steady_pass"]["agent_calls_per_pass"] == {"GetStatus": 8.0}
+    # One status call a pass for each pod: its members' statuses together.
+    status = "GetStatus" if per_pod == 1 else "GetPodStatus"
+    assert size["steady_pass"]["agent_calls_per_pass"] == {status: 8 / per_pod}
 
 
 def test_store_benchmark_quick(tmp_path: Path) -> None:

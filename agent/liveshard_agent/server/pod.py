@@ -290,7 +290,7 @@ def _fetch(url: str) -> str:
         return ""
 
 
-def _serve_api(config: AgentConfig, proxy: Proxy, tls: ServingCertificate | None) -> grpc.Server:
+def serve_api(config: AgentConfig, proxy: Proxy, tls: ServingCertificate | None) -> grpc.Server:
     """The proxy on the pod's address, served as an agent's API is; RuntimeError if the address
     cannot be bound."""
     threads = _CALLS_PER_MEMBER * config.pod_members
@@ -346,7 +346,7 @@ def supervise(config: AgentConfig, environ: Mapping[str, str], argv: list[str]) 
         server = None
         if _until_served(members, children):
             try:
-                server = _serve_api(config, proxy, tls)
+                server = serve_api(config, proxy, tls)
             except RuntimeError as err:  # grpc's: the address is not this host's, or port taken
                 logger.error("cannot serve on %s: %s", config.address, err)
                 return 1

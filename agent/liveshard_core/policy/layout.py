@@ -20,6 +20,7 @@ candidates (e.g. the memory a device would need against its memory).
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -175,11 +176,17 @@ def _parts(est: Estimate) -> str:
 
 def _layout(spec: ModelSpec, degrees: Degrees) -> Layout:
     # Layout() checks only what needs no spec; `check` below names the spec's constraints.
-    members = tuple(str(i) for i in range(degrees.world_size))
     return Layout(
         degrees.dp, degrees.tp, degrees.pp, degrees.ep, degrees.zero, degrees.pp_layers or (),
-        members, degrees.mirror,
+        _numbered(degrees.world_size), degrees.mirror,
     )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=64)
+def _numbered(size: int) -> tuple[str, ...]:
+    """Placeholder members "0".."size-1": a choice costs hundreds of candidate layouts, each
+    of the world's size, on every operator pass."""
+    return tuple(str(i) for i in range(size))
 
 
 def _divisors(n: int, limit: int) -> list[int]:
