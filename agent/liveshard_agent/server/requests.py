@@ -51,15 +51,11 @@ class PrepareOrder:
 
 def layout(message: pb.Layout, job: Job, name: str) -> Layout:
     """A layout of `job`'s model that its global batch can fill; errors name `name`."""
-    for i, member in enumerate(message.members):
-        if not member or len(member) > _NAME_MAX or not member.isprintable() or " " in member:
-            raise InvalidInput(
-                f"{name}.members[{i}]={member!r} must be a member name (a pod's name: "
-                f"1 to {_NAME_MAX} printable characters, no spaces)"
-            )
+    members = list(message.members)
+    _member_names(members, name)
     try:
         result = Layout.create(
-            job.spec, list(message.members), dp=message.dp, tp=message.tp, pp=message.pp,
+            job.spec, members, dp=message.dp, tp=message.tp, pp=message.pp,
             ep=message.ep, zero=message.zero, pp_layers=tuple(message.pp_layers) or None,
             mirror=message.mirror,
         )  # fmt: skip
@@ -70,6 +66,24 @@ def layout(message: pb.Layout, job: Job, name: str) -> Layout:
     except InvalidInput as err:
         raise InvalidInput(f"{name}.dp: {err}") from None
     return result
+
+
+def _member_names(members: list[str], name: str) -> None:
+    """InvalidInput naming the first of `members` that is no member's name. All are checked at
+    once first: every agent checks the two layouts of each Prepare, 2048 names at 1024 members."""
+    joined = "".join(members)
+    lengths = [len(m) for m in members]
+    if not members or (
+        min(lengths) >= 1 and max(lengths) <= _NAME_MAX and joined.isprintable()
+        and " " not in joined
+    ):  # fmt: skip
+        return
+    for i, member in enumerate(members):
+        if not member or len(member) > _NAME_MAX or not member.isprintable() or " " in member:
+            raise InvalidInput(
+                f"{name}.members[{i}]={member!r} must be a member name (a pod's name: "
+                f"1 to {_NAME_MAX} printable characters, no spaces)"
+            )
 
 
 def store_address(message: pb.StoreAddress, present: bool) -> StoreAddress:
