@@ -72,7 +72,7 @@ def _member_names(members: list[str], name: str) -> None:
     """InvalidInput naming the first of `members` that is no member's name. All are checked at
     once first: every agent checks the two layouts of each Prepare, 2048 names at 1024 members."""
     joined = "".join(members)
-    lengths = [len(m) for m in members]
+    lengths = list(map(len, members))
     if not members or (
         min(lengths) >= 1 and max(lengths) <= _NAME_MAX and joined.isprintable()
         and " " not in joined
@@ -162,14 +162,15 @@ def prepare(request: pb.PrepareRequest, job: Job) -> PrepareOrder:
             )
     if len(set(lost)) != len(lost):
         raise InvalidInput(f"lost={lost} names a member twice")
-    for name, pod in sorted(request.pods.items()):
-        if name not in old.ranks and name not in new.ranks:
+    pods = dict(request.pods)
+    strangers = pods.keys() - old.ranks.keys() - new.ranks.keys()
+    for name in sorted(strangers | {name for name, pod in pods.items() if not pod}):
+        if name in strangers:
             raise InvalidInput(f"pods[{name!r}]: {name!r} is a member of neither `from` nor `to`")
-        if not pod:
-            raise InvalidInput(f"pods[{name!r}] is empty: name the member's pod, or leave it out")
+        raise InvalidInput(f"pods[{name!r}] is empty: name the member's pod, or leave it out")
     change = Change(
         epoch=number, old=old, new=new, at_step=request.at_step, lost=frozenset(lost),
-        budget=request.budget_bytes or job.budget_bytes, pods=dict(request.pods),
+        budget=request.budget_bytes or job.budget_bytes, pods=pods,
     )  # fmt: skip
     return PrepareOrder(number, Prepare(change, store), old, new, limits, request.at_step)
 

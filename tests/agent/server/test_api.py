@@ -182,6 +182,8 @@ BAD_PREPARES = [
      Code.INVALID_ARGUMENT, "pods['a3']: 'a3' is a member of neither `from` nor `to`"),
     ({"from": layout(["a1", "a2"], dp=2), "to": layout(["a0", "a1"], dp=2), "pods": {"a1": ""}},
      Code.INVALID_ARGUMENT, "pods['a1'] is empty"),
+    ({"from": layout(["a1", "a2"], dp=2), "to": layout(["a0", "a1"], dp=2),
+      "pods": {"a3": "p", "a1": ""}}, Code.INVALID_ARGUMENT, "pods['a1'] is empty"),
     ({"from": layout(["a1"]), "to": layout(["a0"]), "restore_from": "/x"},
      Code.INVALID_ARGUMENT, "restore_from: only the job's first world"),
 ]  # fmt: skip
