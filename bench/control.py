@@ -303,7 +303,7 @@ def _lcm_batch(members: int, per_pod: int) -> int:
 
 
 def _step(members: int, per_pod: int) -> int:
-    """The members a shrink removes: 1/64 of them, at least one, in whole pods."""
+    """The members a shrink removes: 1/64 of them in whole pods, at least one pod."""
     return max(1, members // 64 // per_pod) * per_pod
 
 
@@ -481,8 +481,11 @@ def main(argv: list[str] | None = None) -> int:
         _without_resolver(argv if argv is not None else sys.argv[1:])
     assert "torch" not in sys.modules
     sizes = [8] if args.quick else args.members
-    if any(members % args.members_per_pod for members in sizes):
-        parser.error(f"--members-per-pod={args.members_per_pod} must divide every size {sizes}")
+    if args.members_per_pod < 1 or any(members % args.members_per_pod for members in sizes):
+        parser.error(
+            f"--members-per-pod={args.members_per_pod} must be at least 1 and divide every "
+            f"size {sizes}"
+        )
     results = []
     for members in sizes:
         result = one_size(members, args.step_seconds, args.members_per_pod)
