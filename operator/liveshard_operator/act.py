@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import base64
 import logging
+from dataclasses import replace
 from typing import Any, assert_never
 
 import grpc
 
+from liveshard.v1 import agent_pb2 as pb
 from liveshard_core.errors import InvalidInput
 
 from . import render
@@ -37,13 +39,15 @@ from .actions import (
     Prepare,
     ReleaseMember,
 )
-from .agents import AgentClient, AgentError, fan_out
+from .agents import AgentClient, AgentError, fan_out, prepare_request
 from .certificates import Certificates
 from .decision import Decision, checkpointed, hosted, not_hosted, overtaken
 from .kube import ApiError, Events, Kube
 from .spec import JobSpec
 
 log = logging.getLogger(__name__)
+# The actions of a decision's `after` that go to agents, which the executor sends at once.
+_AGENT_CALLS = (Prepare, ReleaseMember, CommitOn)
 
 
 class Executor:
@@ -101,6 +105,8 @@ class Executor:
     # Whether a Prepare or a commit the last pass sent failed where the agent may answer later
     # (unavailable, deadline exceeded): the next pass sends it again, after `RESEND`.
     unsent: bool = False
+    # The last Prepare's request, made once for all its members (`_prepare`).
+    _made: tuple[Prepare, pb.PrepareRequest] | None = None
 
     def write(self, status: dict[str, Any]) -> str:
         """Write the pass's status; the job's version after it."""
@@ -120,10 +126,10 @@ class Executor:
         decision = self._answer(decision)
         written = self.write(decision.status)
         self.quiet = written if decision.record.in_flight is not None else None
-        calls = [a for a in decision.after if isinstance(a, Prepare | ReleaseMember | CommitOn)]
+        calls = [a for a in decision.after if isinstance(a, _AGENT_CALLS)]
         fan_out(lambda action: self._do(decision, action), calls)
         for action in decision.after:
-            if action not in calls:
+            if not isinstance(action, _AGENT_CALLS):
                 self._do(decision, action)
         return decision
 
@@ -207,12 +213,14 @@ class Executor:
             log.info("job %s: releasing %s: %s", self.name, member, err)
 
     def _prepare(self, prepare: Prepare) -> None:
+        # A reconfiguration's Prepares differ only in their member: the request is made once
+        # (at 1024 members, making each cost the operator 0.35 s of CPU per reconfiguration).
+        key = replace(prepare, member="")
+        made = self._made
+        if made is None or made[0] != key:
+            made = self._made = (key, prepare_request(key))
         try:
-            self.clients[prepare.member].prepare(
-                epoch=prepare.epoch, store=prepare.store, to=prepare.to, old=prepare.old,
-                lost=list(prepare.lost), budget=prepare.budget, deadlines=prepare.deadlines,
-                at_step=0, restore_from=prepare.restore_from, pods=dict(prepare.pods),
-            )  # fmt: skip
+            self.clients[prepare.member].prepare(made[1])
         except AgentError as err:
             self._failed(err)
             log.warning("job %s: epoch %s: prepare on %s: %s", self.name, prepare.epoch,

@@ -21,9 +21,9 @@ import grpc
 from liveshard.v1 import agent_pb2 as pb
 from liveshard.v1 import agent_pb2_grpc as pb_grpc
 from liveshard_core.errors import LiveshardError
-from liveshard_core.job import MEMBER_KEY, Deadlines
-from liveshard_core.layout.layout import Layout
+from liveshard_core.job import MEMBER_KEY
 
+from .actions import Prepare
 from .messages import to_proto
 
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -114,31 +114,8 @@ class AgentClient:
         address = reply.address  # type: ignore[attr-defined]
         return address.host, address.port
 
-    def prepare(
-        self,
-        *,
-        epoch: int,
-        store: tuple[str, int],
-        to: Layout,
-        old: Layout | None = None,
-        lost: list[str] | None = None,
-        budget: int = 0,
-        deadlines: Deadlines | None = None,
-        at_step: int = 0,
-        restore_from: str = "",
-        pods: dict[str, str] | None = None,
-    ) -> None:
-        request = pb.PrepareRequest(
-            epoch=epoch, store=pb.StoreAddress(host=store[0], port=store[1]), to=to_proto(to),
-            lost=lost or [], budget_bytes=budget, at_step=at_step, restore_from=restore_from,
-            pods=pods or {},
-        )  # fmt: skip
-        if old is not None:
-            getattr(request, "from").CopyFrom(to_proto(old))
-        if deadlines is not None:
-            request.deadlines.op_seconds = deadlines.op
-            request.deadlines.switch_seconds = deadlines.switch
-            request.deadlines.prepare_seconds = deadlines.prepare
+    def prepare(self, request: pb.PrepareRequest) -> None:
+        """Send a Prepare (`prepare_request`): the same request goes to every member."""
         self._call("Prepare", request)
 
     def switch(self, epoch: int, at_step: int) -> None:
@@ -158,3 +135,19 @@ class AgentClient:
 
     def rotate_certificate(self, cert: bytes, key: bytes, ca: bytes = b"") -> None:
         self._call("RotateCertificate", pb.RotateCertificateRequest(cert=cert, key=key, ca=ca))
+
+
+def prepare_request(prepare: Prepare) -> pb.PrepareRequest:
+    """The PrepareRequest of `prepare` (its member is not in it: the call's metadata names it)."""
+    request = pb.PrepareRequest(
+        epoch=prepare.epoch, store=pb.StoreAddress(host=prepare.store[0], port=prepare.store[1]),
+        to=to_proto(prepare.to), lost=prepare.lost, budget_bytes=prepare.budget,
+        restore_from=prepare.restore_from, pods=dict(prepare.pods),
+        deadlines=pb.Deadlines(
+            op_seconds=prepare.deadlines.op, switch_seconds=prepare.deadlines.switch,
+            prepare_seconds=prepare.deadlines.prepare,
+        ),
+    )  # fmt: skip
+    if prepare.old is not None:
+        getattr(request, "from").CopyFrom(to_proto(prepare.old))
+    return request

@@ -16,6 +16,7 @@ Pure, like everything the decision is made of.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 from . import publish, render
@@ -60,9 +61,10 @@ class Decision:
     ask: Ask | None = None
     unaborted: Record | None = None  # the record an abort in `before` would leave behind
 
-    @property
+    @cached_property
     def status(self) -> dict[str, Any]:
-        """The status patch to write: the record and what the pass reports."""
+        """The status patch to write: the record and what the pass reports (made once: the
+        executor writes it, the metrics read its phase)."""
         return publish.status(self.job, self.seen, self.record, self.report, self.now)
 
 

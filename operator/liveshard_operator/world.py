@@ -73,8 +73,10 @@ class InFlight:
     pods: tuple[tuple[str, str], ...] = ()  # (member, pod) of members that share a pod
 
     def union(self) -> list[str]:
-        old = [m for m in (self.old.members if self.old else ()) if m not in self.lost]
-        return old + [m for m in self.new.members if m not in old]
+        lost = set(self.lost)
+        old = [m for m in (self.old.members if self.old else ()) if m not in lost]
+        kept = set(old)
+        return old + [m for m in self.new.members if m not in kept]
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import datetime
 import threading
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -14,13 +15,17 @@ import pytest
 from liveshard_operator import controller as controller_module
 from liveshard_operator import pki, render
 from liveshard_operator.act import Executor
-from liveshard_operator.agents import AgentClient, AgentError
+from liveshard_operator.actions import Prepare
+from liveshard_operator.agents import AgentClient, AgentError, prepare_request
 from liveshard_operator.controller import JobController
 from liveshard_operator.decide import decide
 from liveshard_operator.kube import ApiError, Kube, Stale
 from liveshard_operator.observation import Observation
 from liveshard_operator.world import Record
 
+from liveshard.v1 import agent_pb2 as pb
+from liveshard_core.job import Deadlines
+from liveshard_core.layout.layout import Layout
 from tests.operator.test_decide import CASES, CHECKPOINTED, TRAINING3, W3, condition
 from tests.operator.values import BODY, NOW, job, pod, seen, standby
 
@@ -97,8 +102,8 @@ class FakeAgent:
         self._call("host_store", epoch)
         return ("10.0.0.0", 7000 + epoch)
 
-    def prepare(self, **request: Any) -> None:
-        self._call("prepare", request["epoch"], request["store"])
+    def prepare(self, request: pb.PrepareRequest) -> None:
+        self._call("prepare", request.epoch, (request.store.host, request.store.port), request)
 
     def abort(self, epoch: int) -> None:
         self._call("abort", epoch)
@@ -138,6 +143,27 @@ def test_the_reconfiguration_is_recorded_before_any_prepare() -> None:
     (status,) = [call[1] for call in calls if call[0] == "status"]
     assert status["reconfiguration"]["inFlight"]["store"] == {"host": "10.0.0.0", "port": 7000}
     assert all(call[3] == ("10.0.0.0", 7000) for call in calls if call[0] == "prepare")
+    # One request, made once, goes to every member: the first world's, with no `from`.
+    (request,) = {id(call[4]): call[4] for call in calls if call[0] == "prepare"}.values()
+    assert list(request.to.members) == ["p0", "p1", "p2", "p3"] and not request.HasField("from")
+
+
+def test_a_prepare_request_carries_the_whole_reconfiguration() -> None:
+    old = Layout(dp=3, tp=1, pp=1, ep=1, zero=0, pp_layers=(4,), members=("a", "b", "c"))
+    to = replace(old, dp=2, members=("a", "d"))
+    prepare = Prepare(
+        "d", 7, ("10.0.0.1", 29500), to, old, lost=("b",), budget=1 << 20,
+        deadlines=Deadlines(op=5.0, switch=6.0, prepare=7.0), restore_from="",
+        pods=(("a", "pod-0"), ("d", "pod-1")),
+    )  # fmt: skip
+    request = prepare_request(prepare)
+    assert (request.epoch, request.store.host, request.store.port) == (7, "10.0.0.1", 29500)
+    assert list(request.to.members) == ["a", "d"] and request.to.dp == 2
+    assert list(getattr(request, "from").members) == ["a", "b", "c"]
+    assert list(request.lost) == ["b"] and request.budget_bytes == 1 << 20
+    d = request.deadlines
+    assert (d.op_seconds, d.switch_seconds, d.prepare_seconds) == (5.0, 6.0, 7.0)
+    assert dict(request.pods) == {"a": "pod-0", "d": "pod-1"} and request.at_step == 0
 
 
 def test_a_store_no_member_can_host_begins_nothing() -> None:
