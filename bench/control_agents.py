@@ -10,9 +10,9 @@ members agree in their step's all-reduce: each says it is prepared, and the firs
 them prepared records the step two steps ahead, at which every member switches.
 
 A pod of several members (LIVESHARD_POD_MEMBERS from 2) is what `liveshard_agent.server.pod`
-makes of it: an agent per member on its Unix socket, behind the pod's proxy on the pod's address
-(mutual TLS, the calls forwarded unparsed, GetPodStatus answered with every member's status);
-here they are threads of the farm, not processes.
+makes of it (its `Front`): an agent per member on its Unix socket, behind the pod's proxy on the
+pod's address (mutual TLS, the calls forwarded unparsed, GetPodStatus answered with every
+member's status); here they are threads of the farm, not processes.
 
 `serve_farm` runs in a process of its own, fed over a pipe: ("start", name, environ) starts a
 pod's agents and answers ("ready", name) or ("failed", name, why); ("stop", name) stops one (its
@@ -22,15 +22,12 @@ pod was deleted); ("agreed",) answers `AGREED` and `OBEYED`; ("quit",) ends the 
 from __future__ import annotations
 
 import logging
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 from torch.distributed import Store
@@ -44,7 +41,7 @@ from liveshard_agent.runtime.trainer import Scalars, StepRecord
 from liveshard_agent.server.certs import ServingCertificate
 from liveshard_agent.server.config import load
 from liveshard_agent.server.inbox import CommandInbox
-from liveshard_agent.server.pod import Proxy, member_env, pod_members, serve_api
+from liveshard_agent.server.pod import Front
 from liveshard_agent.server.reporter import Reporter, observe
 from liveshard_agent.server.requests import Job
 from liveshard_agent.server.rpc import start_server
@@ -309,29 +306,22 @@ class _Pod:
     def __init__(self, environ: dict[str, str], specs: dict[str, ModelSpec],
                  step_seconds: float, clock_zero: float) -> None:  # fmt: skip
         config = load(environ, [])
-        self.folder: Path | None = None
+        self.front: Front | None = None
         self.server: Any = None
         if config.pod_members == 1:
             self.agents = [_Agent(environ, specs, step_seconds, clock_zero)]
             return
-        self.folder = Path(tempfile.mkdtemp(prefix="liveshard-"))
-        members = pod_members(config, self.folder)
-        self.agents = [
-            _Agent(member_env(environ, m, k, len(members)), specs, step_seconds, clock_zero)
-            for k, m in enumerate(members)
-        ]
-        tls = ServingCertificate(config.tls) if config.tls is not None else None
-        self.proxy = Proxy(members, tls)
-        self.server = serve_api(config, self.proxy, tls)
+        self.front = Front(config, environ)
+        self.agents = [_Agent(env, specs, step_seconds, clock_zero) for env in self.front.environs]
+        self.server = self.front.serve()
 
     def stop(self) -> None:
         if self.server is not None:
             self.server.stop(0)
-            self.proxy.close()
         for agent in self.agents:
             agent.stop()
-        if self.folder is not None:
-            shutil.rmtree(self.folder, ignore_errors=True)
+        if self.front is not None:
+            self.front.close()
 
 
 def serve_farm(conn: Connection, step_seconds: float, clock_zero: float) -> None:

@@ -290,11 +290,31 @@ def _fetch(url: str) -> str:
         return ""
 
 
-def serve_api(config: AgentConfig, proxy: Proxy, tls: ServingCertificate | None) -> grpc.Server:
-    """The proxy on the pod's address, served as an agent's API is; RuntimeError if the address
-    cannot be bound."""
-    threads = _CALLS_PER_MEMBER * config.pod_members
-    return listen.serve(proxy, config.token, config.address, tls, threads, "pod-rpc")
+class Front:
+    """A pod's side of its members: the folder of their sockets (mode 0700), each member's place
+    (`members`) and environment (`environs`, from the pod's `environ`), and the `proxy` that
+    routes the pod's calls to them once `serve` opens the pod's address. `close` frees it all
+    but the server."""
+
+    def __init__(self, config: AgentConfig, environ: Mapping[str, str]) -> None:
+        self.config = config
+        self.folder = Path(tempfile.mkdtemp(prefix="liveshard-"))
+        self.members = pod_members(config, self.folder)
+        count = len(self.members)
+        self.environs = [member_env(environ, m, k, count) for k, m in enumerate(self.members)]
+        self.tls = ServingCertificate(config.tls) if config.tls is not None else None
+        self.proxy = Proxy(self.members, self.tls)
+
+    def serve(self) -> grpc.Server:
+        """The proxy on the pod's address, served as an agent's API is; RuntimeError if the
+        address cannot be bound."""
+        threads = _CALLS_PER_MEMBER * len(self.members)
+        return listen.serve(self.proxy, self.config.token, self.config.address, self.tls, threads,
+                            "pod-rpc")  # fmt: skip
+
+    def close(self) -> None:
+        self.proxy.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def _serve_metrics(
@@ -329,14 +349,11 @@ def _pass_sigterm(children: list[subprocess.Popen[bytes]]) -> None:
 def supervise(config: AgentConfig, environ: Mapping[str, str], argv: list[str]) -> int:
     """Run the pod's members until every one has exited; the pod's exit status."""
     logger = context_logger(log, job=config.job, epoch=-1, member=config.member)
-    folder = Path(tempfile.mkdtemp(prefix="liveshard-"))  # mode 0700: the members' sockets
-    members = pod_members(config, folder)
-    tls = ServingCertificate(config.tls) if config.tls is not None else None
-    proxy = Proxy(members, tls)
+    front = Front(config, environ)
+    members = front.members
     children: list[subprocess.Popen[bytes]] = []
     try:
-        for k, member in enumerate(members):
-            env = member_env(environ, member, k, len(members))
+        for member, env in zip(members, front.environs, strict=True):
             children.append(subprocess.Popen(_command(member, argv), env=env))
         threading.Thread(
             target=_pass_sigterm, args=(children,), name="sigterm", daemon=True
@@ -346,7 +363,7 @@ def supervise(config: AgentConfig, environ: Mapping[str, str], argv: list[str]) 
         server = None
         if _until_served(members, children):
             try:
-                server = serve_api(config, proxy, tls)
+                server = front.serve()
             except RuntimeError as err:  # grpc's: the address is not this host's, or port taken
                 logger.error("cannot serve on %s: %s", config.address, err)
                 return 1
@@ -367,8 +384,7 @@ def supervise(config: AgentConfig, environ: Mapping[str, str], argv: list[str]) 
             if child.poll() is None:
                 child.kill()
                 child.wait()
-        proxy.close()
-        shutil.rmtree(folder, ignore_errors=True)
+        front.close()
 
 
 def _until_served(members: list[PodMember], children: list[subprocess.Popen[bytes]]) -> bool:
