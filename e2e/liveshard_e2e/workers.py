@@ -1,4 +1,4 @@
-"""A pool of spawned worker processes for multi-process tests and benchmarks (dev only).
+"""A pool of worker processes for multi-process tests and benchmarks (dev only).
 
 Each worker imports torch once and then runs tasks sent by the driver: functions of a task module
 (the tests' or a benchmark's), called by name with keyword arguments. A task module keeps what a
@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import importlib
 import multiprocessing as mp
+import os
 import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.context import ForkServerContext, SpawnContext
 from types import ModuleType
 from typing import Any
 
@@ -64,7 +66,11 @@ class Pool:
         self.module = "__mp_main__" if name == "__main__" else name
         self.threads = threads
         self.timeout = timeout
-        self.ctx = mp.get_context("spawn")
+        # As liveshard-local's members: fresh interpreters unless told to fork from a server.
+        self.ctx: SpawnContext | ForkServerContext = mp.get_context("spawn")
+        if os.environ.get("LIVESHARD_LOCAL_START_METHOD") == "forkserver":
+            self.ctx = mp.get_context("forkserver")
+            self.ctx.set_forkserver_preload(["torch"])
         self.workers: list[tuple[Any, Connection]] = [self._start() for _ in range(size)]
 
     def __len__(self) -> int:

@@ -1,7 +1,8 @@
 """Fixtures for end-to-end tests against a real local cluster (see docs/cluster.md).
 
 One cluster per test session (``LIVESHARD_E2E_CLUSTER``, default ``pytest``, 3 nodes with 2 fake
-GPUs each), stopped at the end; each test gets a fresh namespace. Without built binaries the
+GPUs each; under pytest-xdist one per worker, its name suffixed with the worker's), stopped at the
+end; each test gets a fresh namespace. Without built binaries the
 tests skip, unless ``LIVESHARD_E2E_REQUIRED=1`` makes that a failure.
 """
 
@@ -32,6 +33,9 @@ def local_cluster() -> Iterator[cluster.ClusterInfo]:
             pytest.fail(f"LIVESHARD_E2E_REQUIRED=1 but {err}", pytrace=False)
         pytest.skip(str(err))
     name = os.environ.get("LIVESHARD_E2E_CLUSTER", "pytest")
+    # Under pytest-xdist (`scripts/test` runs the suite in two workers) each worker has its own.
+    if worker := os.environ.get("PYTEST_XDIST_WORKER"):
+        name = f"{name}-{worker}"
     options = cluster.ClusterOptions(name=name, nodes=NODES, gpus_per_node=GPUS_PER_NODE)
     info = cluster.up(options)
     yield info

@@ -28,6 +28,11 @@ per lost member (`"event": "lost"`), per member whose world broke (`"event": "br
 restart from a checkpoint (`"event": "restored"`), or a
 human-readable progress view when stdout is a terminal (`--json` forces JSON lines).
 
+Each member's process is a fresh interpreter (multiprocessing's `spawn`), as a pod's is, so the
+pre-warm and restart times it shows are a real start's. `LIVESHARD_LOCAL_START_METHOD=forkserver`
+forks them instead from a server process that imported torch and the member's code once: a start
+in milliseconds instead of seconds, for test suites that start hundreds of jobs.
+
 This module is the driver and the command; the job it runs is a `job.LocalJob`, each member runs
 in a `process`, and `--kill` is the `faults` harness. The driver branches on the members' typed
 events (`runtime.events`) and turns them into output lines in one place, `output`.
@@ -40,12 +45,14 @@ import contextlib
 import dataclasses
 import itertools
 import multiprocessing as mp
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
+from multiprocessing.context import ForkServerContext, SpawnContext
 from typing import Any, cast
 
 import torch
@@ -104,6 +111,20 @@ HOST = "127.0.0.1"
 LOCAL_BANDWIDTH = 1e9  # bytes per second between local processes, for the dry run
 
 
+START_METHOD = "LIVESHARD_LOCAL_START_METHOD"  # spawn (default) or forkserver, see above
+
+
+def _start_context() -> SpawnContext | ForkServerContext:
+    method = os.environ.get(START_METHOD, "spawn")
+    if method == "spawn":
+        return mp.get_context("spawn")
+    if method == "forkserver":
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload([member_main.__module__])
+        return ctx
+    raise InvalidInput(f"{START_METHOD}={method!r}: expected spawn or forkserver")
+
+
 RECOVERY, REBUILD = "recovery", "rebuild"  # the triggers of changes that answer a broken world
 
 # ---- the driver ----
@@ -124,7 +145,7 @@ class Driver:
         job.check()
         self.job, self.emit = job, emit
         self.spec = job.spec()
-        self.ctx = mp.get_context("spawn")
+        self.ctx = _start_context()
         self.store = TCPStore(
             HOST, 0, None, True, timedelta(seconds=job.deadlines.op), wait_for_workers=False
         )

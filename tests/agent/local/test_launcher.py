@@ -5,13 +5,20 @@ syntax. What it runs (training through switches and recoveries) is tested in
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from liveshard_agent.local.launcher import ScriptedKill, _parser, job_from_args, parse_kill
+from liveshard_agent.local.launcher import (
+    START_METHOD,
+    ScriptedKill,
+    _parser,
+    job_from_args,
+    parse_kill,
+)
 from liveshard_core.errors import InvalidInput
 
 LIVESHARD_LOCAL = Path(sys.executable).parent / "liveshard-local"
@@ -49,6 +56,31 @@ def test_the_command_prints_json_lines_and_rejects_a_batch_that_cannot_divide() 
     )  # fmt: skip
     assert late.returncode == 2
     assert "--switch 10:dp=2, --kill 12:0:step: the job trains steps 0 to 9" in late.stderr
+
+
+def test_members_spawned_or_forked_from_a_server_train_the_same() -> None:
+    # The suite forks its members (tests/conftest.py); the default, a fresh interpreter per member
+    # as in a pod, is run here, through a death whose member is started anew.
+    def run(method: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(LIVESHARD_LOCAL), "--model", "tiny", "--steps", "6", "--nprocs", "2",
+             "--kill", "3:1", "--json"],
+            capture_output=True, text=True, timeout=300, check=False,
+            env={**os.environ, START_METHOD: method},
+        )  # fmt: skip
+
+    losses = {}
+    for method in ("spawn", "forkserver"):
+        done = run(method)
+        assert done.returncode == 0, done.stderr
+        events = [json.loads(line) for line in done.stdout.splitlines()]
+        assert [e["member"] for e in events if e["event"] == "lost"] == ["w1"], events
+        losses[method] = [(e["step"], e["loss"]) for e in events if e["event"] == "step"]
+    assert losses["spawn"] == losses["forkserver"]
+    assert [step for step, _ in losses["spawn"]] == list(range(6))
+    bad = run("fork")
+    assert bad.returncode == 2
+    assert f"{START_METHOD}='fork': expected spawn or forkserver" in bad.stderr
 
 
 def test_kill_is_parsed_and_refused_when_malformed() -> None:
