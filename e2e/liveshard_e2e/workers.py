@@ -10,15 +10,14 @@ traceback, after every worker has answered, so the next task starts in step.
 from __future__ import annotations
 
 import importlib
-import multiprocessing as mp
-import os
 import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from multiprocessing.context import ForkServerContext, SpawnContext
 from types import ModuleType
 from typing import Any
+
+from liveshard_agent.local.start import start_context
 
 
 @dataclass(frozen=True)
@@ -66,11 +65,7 @@ class Pool:
         self.module = "__mp_main__" if name == "__main__" else name
         self.threads = threads
         self.timeout = timeout
-        # As liveshard-local's members: fresh interpreters unless told to fork from a server.
-        self.ctx: SpawnContext | ForkServerContext = mp.get_context("spawn")
-        if os.environ.get("LIVESHARD_LOCAL_START_METHOD") == "forkserver":
-            self.ctx = mp.get_context("forkserver")
-            self.ctx.set_forkserver_preload(["torch"])
+        self.ctx = start_context(["torch"])  # as liveshard-local's members
         self.workers: list[tuple[Any, Connection]] = [self._start() for _ in range(size)]
 
     def __len__(self) -> int:

@@ -44,15 +44,12 @@ import argparse
 import contextlib
 import dataclasses
 import itertools
-import multiprocessing as mp
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
-from multiprocessing.context import ForkServerContext, SpawnContext
 from typing import Any, cast
 
 import torch
@@ -93,6 +90,7 @@ from .faults import Fault, ScriptedKill, parse_kill
 from .job import LocalJob, ScriptedSwitch, local_config, parse_switch
 from .output import Line
 from .process import Crashed, member_main
+from .start import start_context
 
 __all__ = [
     "Driver",
@@ -109,20 +107,6 @@ __all__ = [
 
 HOST = "127.0.0.1"
 LOCAL_BANDWIDTH = 1e9  # bytes per second between local processes, for the dry run
-
-
-START_METHOD = "LIVESHARD_LOCAL_START_METHOD"  # spawn (default) or forkserver, see above
-
-
-def _start_context() -> SpawnContext | ForkServerContext:
-    method = os.environ.get(START_METHOD, "spawn")
-    if method == "spawn":
-        return mp.get_context("spawn")
-    if method == "forkserver":
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload([member_main.__module__])
-        return ctx
-    raise InvalidInput(f"{START_METHOD}={method!r}: expected spawn or forkserver")
 
 
 RECOVERY, REBUILD = "recovery", "rebuild"  # the triggers of changes that answer a broken world
@@ -145,7 +129,7 @@ class Driver:
         job.check()
         self.job, self.emit = job, emit
         self.spec = job.spec()
-        self.ctx = _start_context()
+        self.ctx = start_context([member_main.__module__])
         self.store = TCPStore(
             HOST, 0, None, True, timedelta(seconds=job.deadlines.op), wait_for_workers=False
         )

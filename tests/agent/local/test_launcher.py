@@ -12,13 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from liveshard_agent.local.launcher import (
-    START_METHOD,
-    ScriptedKill,
-    _parser,
-    job_from_args,
-    parse_kill,
-)
+from liveshard_agent.local.launcher import ScriptedKill, _parser, job_from_args, parse_kill
+from liveshard_agent.local.start import START_METHOD
 from liveshard_core.errors import InvalidInput
 
 LIVESHARD_LOCAL = Path(sys.executable).parent / "liveshard-local"
