@@ -61,10 +61,11 @@ class Executor:
         name: str,
         events: Events,
         clients: dict[str, AgentClient],
+        cert_manager: bool = False,
     ) -> None:
         self.kube, self.namespace, self.name = kube, namespace, name
         self.events, self.clients = events, clients
-        self.certificates = Certificates(kube, namespace, name, events, clients)
+        self.certificates = Certificates(kube, namespace, name, events, clients, cert_manager)
 
     def ensure_objects(self, job: dict[str, Any], spec: JobSpec) -> None:
         """The job's token and TLS Secrets, PodDisruptionBudget and (gang scheduled) PodGroup,

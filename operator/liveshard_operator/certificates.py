@@ -4,6 +4,11 @@ renewed when due, the CA rotated when due or asked, and the workers' serving pai
 agent that serves another (`RotateCertificate`). `pki` issues and parses; this module reads and
 patches the Secrets and calls the agents, and decides each step of a rotation from what the
 Secrets hold, so that a pass cut anywhere resumes where it was.
+
+With cert-manager (`liveshard-operator --cert-manager`) the operator issues nothing: it creates
+the job's Issuers and Certificates (`render.cert_manager_objects`) and reads the same two Secrets
+once cert-manager wrote them; renewals are cert-manager's, and each renewed serving pair is sent
+to the agents as the operator's own are.
 """
 
 from __future__ import annotations
@@ -21,6 +26,11 @@ from .observation import Observation
 log = logging.getLogger(__name__)
 
 
+class CertificatesPending(Exception):
+    """The job's certificates are not there yet (cert-manager has not issued them, or is not
+    installed); the message says which and what to do."""
+
+
 class Certificates:
     """The certificates of one job; `clients` holds its agents' clients (by pod), as `observe`
     keeps them."""
@@ -32,9 +42,11 @@ class Certificates:
         name: str,
         events: Events,
         clients: dict[str, AgentClient],
+        cert_manager: bool = False,
     ) -> None:
         self.kube, self.namespace, self.name = kube, namespace, name
         self.events, self.clients = events, clients
+        self.cert_manager = cert_manager  # cert-manager issues the job's certificates
         self.serving: pki.Pair | None = None  # the workers' serving pair, as `ensure` read it
         self.serving_ca = b""  # and the CA certificates their Secret trusts
         self._client_tls: ClientTls | None = None  # the operator's side, as `ensure` read it
@@ -46,7 +58,11 @@ class Certificates:
         is rotated when due (`pki.CA_RENEW_BEFORE`) or asked (the job's `ROTATE_CA` annotation
         takes a value not handled yet): a new CA is trusted beside the old one until every agent
         serves a certificate of it (`rotate`). The workers' Secret trusts what the
-        operator's does, and its pair is issued again whenever that changes."""
+        operator's does, and its pair is issued again whenever that changes. With cert-manager,
+        `_issued_by_cert_manager` instead."""
+        if self.cert_manager:
+            self._issued_by_cert_manager(job)
+            return
         operator_name = render.operator_tls_name(self.name)
 
         def first_authority() -> dict[str, Any]:
@@ -93,6 +109,50 @@ class Certificates:
             agent = self._renew(job, agent_name, serving, "the workers' serving")
         self.serving = pki.Pair(agent[render.TLS_CERT], agent[render.TLS_KEY])
         self.serving_ca = agent[render.CA_CERT]
+
+    def _issued_by_cert_manager(self, job: dict[str, Any]) -> None:
+        """The job's cert-manager objects, created when missing, and the two Secrets cert-manager
+        issues from them, read. CertificatesPending while a Secret is not issued yet, unless an
+        earlier pass read both (the pass then goes on with those); or when the cluster serves no
+        cert-manager.io/v1 kinds."""
+        for resource, obj in render.cert_manager_objects(job):
+            if self.kube.get(self.namespace, resource, obj["metadata"]["name"]) is not None:
+                continue
+            try:
+                self.kube.create(self.namespace, resource, obj)
+            except ApiError as err:  # 404 on a collection: the cluster has no such kind
+                if err.status == 404:
+                    raise CertificatesPending(
+                        f"the operator issues certificates with cert-manager (--cert-manager), "
+                        f"but the cluster serves no {obj['apiVersion']} {obj['kind']}: install "
+                        "cert-manager"
+                    ) from None
+                if err.status != 409:  # 409: another replica's pass created it
+                    raise
+        found = {}
+        for name in (render.agent_tls_name(self.name), render.operator_tls_name(self.name)):
+            secret = self.kube.get(self.namespace, "secrets", name)
+            data = _decoded(secret) if secret is not None else {}
+            if not {render.CA_CERT, render.TLS_CERT, render.TLS_KEY} <= set(data):
+                if self.serving is not None:
+                    log.warning("job %s: Secret %s is not issued; using the last read", self.name,
+                                name)  # fmt: skip
+                    return
+                raise CertificatesPending(
+                    f"waiting for cert-manager to issue Secret {name} (Certificate {name} of "
+                    f"Issuer {render.ca_name(self.name)}; kubectl describe certificate {name})"
+                )
+            if secret is not None and not (secret["metadata"].get("ownerReferences") or []):
+                # cert-manager's Secrets outlive their Certificate: the job owns them, as its own.
+                owned = {"metadata": {"ownerReferences": [render.owner(job)]}}
+                self.kube.patch(self.namespace, "secrets", name, owned)
+            found[name] = data
+        agent = found[render.agent_tls_name(self.name)]
+        self.serving = pki.Pair(agent[render.TLS_CERT], agent[render.TLS_KEY])
+        self.serving_ca = agent[render.CA_CERT]
+        client = self._client_of(found[render.operator_tls_name(self.name)])
+        if client != self._client_tls:  # new, or renewed: the clients are made again
+            self._client_tls = client
 
     def _ca_rotation_asked(
         self, job: dict[str, Any], ca: pki.Authority, secret: dict[str, Any]

@@ -24,6 +24,7 @@ from liveshard_core.errors import InvalidInput
 from . import publish, sentinel
 from .act import Executor
 from .agents import AgentClient, AgentError, fan_out
+from .certificates import CertificatesPending
 from .conditions import Conditions
 from .decide import decide
 from .kube import Events, Kube, Stale
@@ -47,11 +48,18 @@ class JobController:
     """Reconciles one ElasticTrainingJob; `reconcile` is one pass."""
 
     def __init__(
-        self, kube: Kube, namespace: str, name: str, events: Events, metrics: Metrics | None = None
+        self,
+        kube: Kube,
+        namespace: str,
+        name: str,
+        events: Events,
+        metrics: Metrics | None = None,
+        cert_manager: bool = False,
     ) -> None:
+        """`cert_manager`: the job's certificates are cert-manager's to issue (`certificates`)."""
         self.kube, self.namespace, self.name = kube, namespace, name
         self.clients: dict[str, AgentClient] = {}  # one per pod, kept across passes
-        self.executor = Executor(kube, namespace, name, events, self.clients)
+        self.executor = Executor(kube, namespace, name, events, self.clients, cert_manager)
         self.metrics = metrics or Metrics()  # the operator's, or one of its own nobody serves
         self.job = f"{namespace}/{name}"  # its `job` label
         # The member of a reconfiguration in flight that the wait after the pass follows: None
@@ -125,6 +133,8 @@ class JobController:
             self.executor.ensure_objects(body, spec)
         except InvalidInput as err:  # the spec asks for what this cluster lacks
             return self._invalid(body, str(err))
+        except CertificatesPending as err:  # cert-manager has not issued them yet
+            return self._invalid(body, str(err), "CertificatesPending")
         token = self.executor.token()
         seen = observe(
             self.kube, self.namespace, self.name, token, spec.port, self.clients,
@@ -140,9 +150,10 @@ class JobController:
         self.metrics.decided(self.job, decision)
         return True
 
-    def _invalid(self, body: dict[str, Any], error: str) -> bool:
-        """Report a spec that cannot be run (the job stays Pending until it changes)."""
-        invalid = publish.invalid_spec(body, error, time.time())
+    def _invalid(self, body: dict[str, Any], error: str, reason: str = "InvalidSpec") -> bool:
+        """Report a job that cannot be run (it stays Pending until its spec changes, or, for
+        `reason` CertificatesPending, until its certificates are issued)."""
+        invalid = publish.invalid_spec(body, error, time.time(), reason)
         self.executor.write(invalid)
         self.metrics.unobserved(self.job, invalid["phase"])
         return True

@@ -32,6 +32,7 @@ PERIOD = 2.0  # seconds between passes when nothing wakes the controller
 STOP_TIMEOUT = 10.0  # seconds the loops get to end their passes when the operator stops
 METRICS = Metrics()
 ELECTOR: Elector | None = None  # set by `main` with --leader-elect; None: this replica leads
+CERT_MANAGER = False  # set by `main` with --cert-manager: cert-manager issues jobs' certificates
 _kube: Kube | None = None
 _loops: dict[tuple[str, str], JobLoop] = {}
 _lock = threading.Lock()
@@ -85,7 +86,7 @@ class JobLoop:
 
     def _run(self) -> None:
         controller = self.controller = JobController(
-            api(), self.namespace, self.name, _post_event, METRICS
+            api(), self.namespace, self.name, _post_event, METRICS, CERT_MANAGER
         )
         try:
             while not self.stopped.is_set():

@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     args = flags.parse_args(argv)
     logs.configure(logging.DEBUG if args.verbose else logging.INFO, args.log_format)
     assert handlers.job_changed  # the handlers register on import
+    handlers.CERT_MANAGER = args.cert_manager
     if args.leader_elect:
         try:
             election = election_of(args)
@@ -75,6 +76,11 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--log-format", choices=logs.FORMATS, default="text",
         help="text, or json: one JSON object per log line (default text)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--cert-manager", action="store_true",
+        help="have cert-manager issue each job's CA and certificates (cert-manager.io/v1 "
+        "Issuers and Certificates the operator creates) rather than issuing them itself",
     )  # fmt: skip
     _leader_election_flags(parser)
     parser.add_argument("-v", "--verbose", action="store_true")

@@ -297,10 +297,12 @@ def _precise_stamp(now: float) -> str:
     return moment.replace("+00:00", "Z")
 
 
-def invalid_spec(body: dict[str, Any], error: str, now: float) -> dict[str, Any]:
-    """The status patch of a job whose spec cannot be run: Pending, saying why."""
+def invalid_spec(body: dict[str, Any], error: str, now: float, reason: str = "InvalidSpec"
+                 ) -> dict[str, Any]:  # fmt: skip
+    """The status patch of a job that cannot be run (its spec, or `reason`, such as its
+    certificates not issued yet): Pending, saying why."""
     generation = int(body["metadata"].get("generation", 0))
     conds = Conditions((body.get("status") or {}).get("conditions") or [], generation, now)
-    conds.set("Ready", False, "InvalidSpec", error)
-    conds.set("Degraded", True, "InvalidSpec", error)
+    conds.set("Ready", False, reason, error)
+    conds.set("Degraded", True, reason, error)
     return {"phase": "Pending", "conditions": conds.items, "observedGeneration": generation}

@@ -7,6 +7,8 @@
 - the job's two TLS Secrets (the agent API's mutual TLS, `pki`): `<job>-agent-tls`, what every
   worker holds (the CA certificate, the serving certificate and its key), and
   `<job>-operator-tls`, what only the operator reads (the CA's key, the operator's client pair);
+  or, where cert-manager issues them, the job's cert-manager Issuers and Certificates that make
+  those Secrets (`cert_manager_objects`);
 - a PodDisruptionBudget, so a drain takes the job's pods one at a time.
 """
 
@@ -19,6 +21,7 @@ from typing import Any
 
 from liveshard_core.job import DEFAULT_METRICS_PORT
 
+from . import pki
 from .spec import JobSpec
 
 GROUP = "liveshard.io"
@@ -86,6 +89,74 @@ def operator_tls_secret(
     """The CA (to issue the workers' certificate) and the operator's client pair."""
     data = {CA_CERT: ca_cert, CA_KEY: ca_key, TLS_CERT: cert, TLS_KEY: key}
     return _secret(job, operator_tls_name(job["metadata"]["name"]), _text(data))
+
+
+CERT_MANAGER = "cert-manager.io"
+
+
+def ca_name(job_name: str) -> str:
+    """The job's CA under cert-manager: its Certificate, Secret and the Issuer it backs."""
+    return f"{job_name}-ca"
+
+
+def cert_manager_objects(job: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The job's cert-manager objects, in the order they are needed, as (resource, object): a
+    self-signed Issuer, the job's own CA from it (its key kept across renewals, so what it signed
+    stays trusted), a CA Issuer of that CA, and from it the workers' serving certificate and the
+    operator's client certificate in the Secrets the operator would otherwise write (same names,
+    keys, usages, key type and validities as `pki`'s; cert-manager puts `ca.crt` beside each
+    pair). Every object is owned by the job."""
+    name, namespace = job["metadata"]["name"], job["metadata"]["namespace"]
+    ca = ca_name(name)
+    hours = {
+        "duration": _hours(pki.VALIDITY.total_seconds()),
+        "renewBefore": _hours(pki.RENEW_BEFORE.total_seconds()),
+    }
+
+    def certificate(secret: str, issuer: str, spec: dict[str, Any]) -> dict[str, Any]:
+        body = {"secretName": secret, "issuerRef": {"name": issuer, "kind": "Issuer",
+                                                    "group": CERT_MANAGER}}  # fmt: skip
+        body["privateKey"] = {"algorithm": "ECDSA", "size": 256, "rotationPolicy": "Always"}
+        return _cert_manager(job, "Certificate", secret, {**body, **spec})
+
+    return [
+        ("issuers", _cert_manager(job, "Issuer", f"{name}-selfsigned", {"selfSigned": {}})),
+        ("certificates", certificate(ca, f"{name}-selfsigned", {
+            "isCA": True, "commonName": pki.CA_NAME,
+            "duration": _hours(pki.CA_VALIDITY.total_seconds()),
+            "renewBefore": _hours(pki.CA_RENEW_BEFORE.total_seconds()),
+            "privateKey": {"algorithm": "ECDSA", "size": 256, "rotationPolicy": "Never"},
+            "usages": ["digital signature", "cert sign", "crl sign"],
+        })),
+        ("issuers", _cert_manager(job, "Issuer", ca, {"ca": {"secretName": ca}})),
+        ("certificates", certificate(agent_tls_name(name), ca, {
+            "commonName": pki.AGENT_NAME, "dnsNames": [pki.server_name(name, namespace)],
+            "usages": ["digital signature", "server auth"], **hours,
+        })),
+        ("certificates", certificate(operator_tls_name(name), ca, {
+            "commonName": pki.OPERATOR_NAME, "usages": ["digital signature", "client auth"],
+            **hours,
+        })),
+    ]  # fmt: skip
+
+
+def _hours(seconds: float) -> str:
+    return f"{round(seconds / 3600)}h"
+
+
+def _cert_manager(
+    job: dict[str, Any], kind: str, name: str, spec: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{CERT_MANAGER}/v1",
+        "kind": kind,
+        "metadata": {
+            "name": name,
+            "labels": {JOB_LABEL: job["metadata"]["name"]},
+            "ownerReferences": [owner(job)],
+        },
+        "spec": spec,
+    }
 
 
 def _text(data: dict[str, bytes]) -> dict[str, str]:

@@ -188,6 +188,16 @@ def test_rbac_grants_exactly_what_the_operator_uses(helm: Path) -> None:
         assert role_binding["roleRef"]["kind"] == "Role"
         assert role_binding["subjects"] == binding["subjects"]
 
+    # With cert-manager: the job's Issuers and Certificates too, and the flag that makes them.
+    issuing = _expand({("cert-manager.io", "issuers"): "get create",
+                       ("cert-manager.io", "certificates"): "get create"})  # fmt: skip
+    managed = _render(helm, "--set", "certManager.enabled=true", "--set", "watchNamespaces={a}")
+    assert _grants(_one(managed, "Role", "a")["rules"]) == NAMESPACED | issuing
+    (container,) = _one(managed, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert "--cert-manager" in container["args"]
+    (container,) = _one(everywhere, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert "--cert-manager" not in container["args"]
+
 
 def test_deployment_runs_a_leader_and_a_standby_non_root_with_probes(helm: Path) -> None:
     deployment = _one(_render(helm), "Deployment")

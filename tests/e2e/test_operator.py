@@ -36,30 +36,43 @@ from liveshard_core.vps.presets import CONFIGS
 from liveshard_e2e.binaries import find_binaries
 from liveshard_e2e.testing import Kube, member_pid
 from liveshard_e2e.waiting import wait_until
+from tests.e2e.cert_manager import API as CERT_MANAGER_API
+from tests.e2e.cert_manager import CertManager
 from tests.e2e.deployment import API, CHART, example, install_crd, release_name
 
 JOB = "tiny"
 ROOT = Path(__file__).resolve().parents[2]
 VOLCANO_PODGROUP_CRD = Path(__file__).with_name("volcano-podgroup-crd.yaml")
+CERT_MANAGER_CRDS = Path(__file__).with_name("cert-manager-crds.yaml")
 OPERATOR_METRICS_PORT = 9401  # the chart's metrics.port
 GLOBAL_BATCH = 24
 STARTUP = 240  # seconds: pods start one torch import each, on 2 cores
 
 
-@pytest.fixture
-def operator(kube: Kube, tmp_path: Path) -> Iterator[Kube]:
-    """The chart installed in the test's namespace, its operator watching that namespace."""
+@contextlib.contextmanager
+def installed(kube: Kube, tmp_path: Path, **values: Any) -> Iterator[Kube]:
+    """The chart installed in the test's namespace with `values`, its operator watching that
+    namespace."""
     install_crd(kube)
     release = release_name()
-    values = tmp_path / "values.yaml"
+    path = tmp_path / "values.yaml"
     # One replica (leader election on, as by default): the tests read its log and metrics.
-    values.write_text(yaml.safe_dump({"watchNamespaces": [kube.namespace],
-                                      "operator": {"replicas": 1}}))  # fmt: skip
-    kube.run("helm", "install", release, str(CHART), "-n", kube.namespace, "-f", str(values),
+    path.write_text(yaml.safe_dump({"watchNamespaces": [kube.namespace],
+                                    "operator": {"replicas": 1}, **values}))  # fmt: skip
+    kube.run("helm", "install", release, str(CHART), "-n", kube.namespace, "-f", str(path),
              "--wait", "--timeout=120s", timeout=150)  # fmt: skip
-    yield kube
-    kube.kubectl("delete", "etj", "--all", "--wait=false", check=False)
-    kube.run("helm", "uninstall", release, "-n", kube.namespace, "--wait", check=False)
+    try:
+        yield kube
+    finally:
+        kube.kubectl("delete", "etj", "--all", "--wait=false", check=False)
+        kube.run("helm", "uninstall", release, "-n", kube.namespace, "--wait", check=False)
+
+
+@pytest.fixture
+def operator(kube: Kube, tmp_path: Path) -> Iterator[Kube]:
+    """The chart installed as by default."""
+    with installed(kube, tmp_path) as kube:
+        yield kube
 
 
 def job(replicas: int, **spec: Any) -> dict[str, Any]:
@@ -900,3 +913,69 @@ def test_an_agent_call_without_the_token_is_refused_and_its_certificate_renewed_
     trained = agent_status(kube, pod, token(kube))
     assert trained.phase == pb.AgentStatus.TRAINING
     Steps(kube).wait(lambda s: s.get("step", 0) > trained.step, "training on")
+
+
+def test_cert_manager_issues_the_jobs_certificates_and_its_renewal_is_served_live(
+    kube: Kube, tmp_path: Path
+) -> None:
+    kinds = ("issuers.cert-manager.io", "certificates.cert-manager.io")
+    install_crd(kube, CERT_MANAGER_CRDS, kinds)
+    with installed(kube, tmp_path, certManager={"enabled": True}) as kube:
+        kube.apply(job(2))
+        steps = Steps(kube)
+        # Nothing issued yet: the job waits, saying for what, and no worker is created.
+        waiting = steps.wait(
+            lambda s: condition(s, "Ready").get("reason") == "CertificatesPending",
+            "waiting for its certificates",
+        )
+        assert f"{JOB}-agent-tls" in condition(waiting, "Ready")["message"]
+        assert not members(kube)
+        base = f"{CERT_MANAGER_API}/namespaces/{kube.namespace}"
+        made = {
+            (o["kind"], o["metadata"]["name"]): o
+            for plural in ("issuers", "certificates")
+            for o in (kube.get(f"{base}/{plural}") or {})["items"]
+        }
+        names = {f"{JOB}-selfsigned", f"{JOB}-ca"}
+        assert set(made) == {("Issuer", n) for n in names} | {
+            ("Certificate", n) for n in (f"{JOB}-ca", f"{JOB}-agent-tls", f"{JOB}-operator-tls")
+        }
+        assert all(o["metadata"]["ownerReferences"][0]["name"] == JOB for o in made.values())
+        serving = made[("Certificate", f"{JOB}-agent-tls")]["spec"]
+        assert serving["dnsNames"] == [pki.server_name(JOB, kube.namespace)]
+        assert serving["usages"] == ["digital signature", "server auth"]
+
+        with CertManager(kube) as cert_manager:
+            steps.wait(training(2), "training with 2", STARTUP)
+            ca = secret_data(kube, f"{JOB}-ca")["tls.crt"]
+            agent = secret_data(kube, f"{JOB}-agent-tls")
+            operator = secret_data(kube, f"{JOB}-operator-tls")
+            assert agent["ca.crt"] == operator["ca.crt"] == ca
+            assert pki.issued_by(agent["tls.crt"], ca) and pki.issued_by(operator["tls.crt"], ca)
+            assert "ca.key" not in operator  # the operator issued nothing itself
+            for secret in (f"{JOB}-agent-tls", f"{JOB}-operator-tls"):
+                body = kube.get(f"/api/v1/namespaces/{kube.namespace}/secrets/{secret}")
+                assert body is not None
+                assert body["metadata"]["ownerReferences"][0]["name"] == JOB
+            pods = members(kube)
+            served = pki.fingerprint(agent["tls.crt"])
+            assert {agent_status(kube, p, token(kube)).serving_certificate
+                    for p in pods.values()} == {served}  # fmt: skip
+
+            # cert-manager renews the serving certificate (a new key): every agent serves it
+            # without a restart, and the job trains on.
+            renewed = pki.fingerprint(cert_manager.renew(f"{JOB}-agent-tls"))
+            assert renewed != served
+
+            def serving_renewed() -> bool:
+                now = {agent_status(kube, p, token(kube)).serving_certificate
+                       for p in pods.values()}  # fmt: skip
+                return now == {renewed}
+
+            wait_until(serving_renewed, 60, "the renewed certificate served by every agent")
+            assert {p["metadata"]["uid"] for p in members(kube).values()} == {
+                p["metadata"]["uid"] for p in pods.values()
+            }
+            trained = agent_status(kube, next(iter(pods.values())), token(kube))
+            assert trained.phase == pb.AgentStatus.TRAINING
+            steps.wait(lambda s: s.get("step", 0) > trained.step, "training on")

@@ -7,10 +7,13 @@ from __future__ import annotations
 import base64
 import copy
 import datetime
+from typing import Any
 
 import pytest
 from liveshard_operator import pki, render
 from liveshard_operator.certificates import Certificates
+from liveshard_operator.controller import JobController
+from liveshard_operator.kube import ApiError
 
 from tests.operator.test_act import NOW_PLUS_A_YEAR, Calls, FakeAgent, FakeKube
 from tests.operator.values import BODY, pod, seen, standby
@@ -131,3 +134,124 @@ def test_the_ca_rotates_when_asked_or_due_trusting_both_until_every_agent_serves
     judged_at(monkeypatch, datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=3400))
     assert "CARotationStarted" in pass_with(serving(), serving())
     assert pki.certificates(secret("operator")["ca.crt"])[1] == trusted[0]
+
+
+class CertManagerKube(FakeKube):
+    """An API server with cert-manager's kinds (`installed`) or without; the Secrets cert-manager
+    writes are put in `secrets` by the test."""
+
+    def __init__(self, calls: Calls, installed: bool = True) -> None:
+        super().__init__(calls, BODY)
+        self.installed = installed
+        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def get(self, namespace: str, resource: str, name: str) -> dict[str, Any] | None:
+        if resource in ("issuers", "certificates"):
+            return self.objects.get((resource, name))
+        return super().get(namespace, resource, name)
+
+    def create(self, namespace: str, resource: str, body: dict[str, Any]) -> dict[str, Any]:
+        if resource in ("issuers", "certificates"):
+            if not self.installed:
+                raise ApiError("POST", f"/apis/cert-manager.io/v1/.../{resource}", 404, "")
+            self.objects[(resource, body["metadata"]["name"])] = body
+            self.calls.append(("create", resource, body["metadata"]["name"]))
+            return body
+        return super().create(namespace, resource, body)
+
+    def patch(self, namespace: str, resource: str, name: str, body: dict[str, Any]) -> None:
+        if resource == "secrets" and "data" not in body:
+            self.secrets[name].setdefault("metadata", {}).update(body["metadata"])
+            self.calls.append(("own", name))
+            return
+        super().patch(namespace, resource, name, body)
+
+    def issue(self) -> bytes:
+        """Write the Secrets as cert-manager would; the CA's certificate."""
+        ca = pki.new_authority()
+        pairs = {
+            "tiny-agent-tls": pki.serving_pair(ca, "tiny", "ns"),
+            "tiny-operator-tls": pki.operator_pair(ca),
+        }
+        for name, pair in pairs.items():
+            data = {"ca.crt": ca.cert, "tls.crt": pair.cert, "tls.key": pair.key}
+            encoded = {k: base64.b64encode(v).decode() for k, v in data.items()}
+            self.secrets[name] = {"metadata": {"name": name}, "data": encoded}
+        return ca.cert
+
+
+def pending_reason(calls: Calls) -> dict[str, Any]:
+    """The Ready condition of the one status the pass wrote."""
+    (status,) = [c[1] for c in calls if c[0] == "status"]
+    assert status["phase"] == "Pending"
+    return dict(next(c for c in status["conditions"] if c["type"] == "Ready"))
+
+
+def test_without_cert_managers_kinds_the_job_waits_with_a_condition_naming_it() -> None:
+    calls: Calls = []
+    controller = JobController(CertManagerKube(calls, installed=False), "ns", "tiny",
+                               lambda *_: None, cert_manager=True)  # type: ignore[arg-type]  # fmt: skip
+    assert controller.reconcile()
+    ready = pending_reason(calls)
+    assert ready["reason"] == "CertificatesPending"
+    assert "serves no cert-manager.io/v1 Issuer: install cert-manager" in ready["message"]
+    assert not [c for c in calls if c[0] == "create"]  # no pod, nothing else
+
+
+def test_cert_managers_objects_are_made_once_and_its_secrets_read_when_issued() -> None:
+    calls: Calls = []
+    kube = CertManagerKube(calls)
+    controller = JobController(kube, "ns", "tiny", lambda *_: None, cert_manager=True)  # type: ignore[arg-type]
+    assert controller.reconcile()
+    made = [c[1:] for c in calls if c[0] == "create"]
+    assert made == [("issuers", "tiny-selfsigned"), ("certificates", "tiny-ca"),
+                    ("issuers", "tiny-ca"), ("certificates", "tiny-agent-tls"),
+                    ("certificates", "tiny-operator-tls")]  # fmt: skip
+    ready = pending_reason(calls)
+    assert ready["reason"] == "CertificatesPending"
+    assert "waiting for cert-manager to issue Secret tiny-agent-tls" in ready["message"]
+    assert not kube.secrets  # the operator issued nothing itself
+
+    ca = kube.issue()
+    calls.clear()
+    certs = controller.executor.certificates
+    certs.ensure(BODY)
+    assert calls == [("own", "tiny-agent-tls"), ("own", "tiny-operator-tls")]  # and nothing made
+    for secret in kube.secrets.values():
+        assert secret["metadata"]["ownerReferences"] == [render.owner(BODY)]
+    assert certs.serving is not None and pki.issued_by(certs.serving.cert, ca)
+    assert certs.serving_ca == ca
+    tls = certs.client_tls()
+    assert tls.ca == ca and pki.issued_by(tls.cert, ca)
+    assert tls.server_name == pki.server_name("tiny", "ns")
+    calls.clear()
+    certs.ensure(BODY)
+    assert calls == []  # owned already: nothing to do
+
+    # The Secrets gone (deleted by hand, cert-manager issuing them again): the pass goes on with
+    # what it read.
+    kube.secrets.clear()
+    certs.ensure(BODY)
+    assert certs.client_tls() is tls
+
+
+def test_cert_managers_certificates_ask_for_what_the_operator_would_issue() -> None:
+    objects = dict(((r, o["metadata"]["name"]), o) for r, o in render.cert_manager_objects(BODY))
+    assert objects[("issuers", "tiny-selfsigned")]["spec"] == {"selfSigned": {}}
+    assert objects[("issuers", "tiny-ca")]["spec"] == {"ca": {"secretName": "tiny-ca"}}
+    ca = objects[("certificates", "tiny-ca")]["spec"]
+    assert ca["isCA"] and ca["issuerRef"]["name"] == "tiny-selfsigned"
+    assert ca["privateKey"]["rotationPolicy"] == "Never"  # what it signed stays trusted
+    assert ca["duration"] == "87600h"
+    serving = objects[("certificates", "tiny-agent-tls")]["spec"]
+    assert serving["secretName"] == "tiny-agent-tls" and serving["issuerRef"]["name"] == "tiny-ca"
+    assert serving["dnsNames"] == [pki.server_name("tiny", "ns")]
+    assert "server auth" in serving["usages"] and "client auth" not in serving["usages"]
+    client = objects[("certificates", "tiny-operator-tls")]["spec"]
+    assert client["commonName"] == pki.OPERATOR_NAME
+    assert "client auth" in client["usages"] and "server auth" not in client["usages"]
+    for spec in (serving, client):
+        assert spec["privateKey"] == {"algorithm": "ECDSA", "size": 256, "rotationPolicy": "Always"}
+        assert (spec["duration"], spec["renewBefore"]) == ("8760h", "720h")
+    for obj in objects.values():
+        assert obj["metadata"]["ownerReferences"] == [render.owner(BODY)]

@@ -80,6 +80,12 @@ liveshard_operator call (tests/e2e/test_chart.py runs the operator under them).
 - apiGroups: [scheduling.x-k8s.io, scheduling.volcano.sh]
   resources: [podgroups]
   verbs: [get, create]
+{{- if .Values.certManager.enabled }}
+# With cert-manager, each job's Issuers and Certificates (the Secrets are cert-manager's).
+- apiGroups: [cert-manager.io]
+  resources: [issuers, certificates]
+  verbs: [get, create]
+{{- end }}
 # An Event per reconfiguration (and kopf's own).
 - apiGroups: [""]
   resources: [events]
