@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import base64
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, assert_never
 
 import grpc
@@ -50,6 +50,19 @@ log = logging.getLogger(__name__)
 _AGENT_CALLS = (Prepare, ReleaseMember, CommitOn)
 
 
+@dataclass(frozen=True)
+class Options:
+    """What the operator's flags ask of every job."""
+
+    cert_manager: bool = False  # cert-manager issues its certificates (`certificates`)
+    # Who else may reach its workers, for its NetworkPolicy (`render.network_policy`); None: the
+    # operator makes none.
+    isolation: render.Isolation | None = None
+
+
+DEFAULTS = Options()
+
+
 class Executor:
     """Carries out the decisions of one job; `clients` holds its agents' clients (by pod), as
     `observe` keeps them."""
@@ -61,21 +74,28 @@ class Executor:
         name: str,
         events: Events,
         clients: dict[str, AgentClient],
-        cert_manager: bool = False,
+        options: Options = DEFAULTS,
     ) -> None:
         self.kube, self.namespace, self.name = kube, namespace, name
-        self.events, self.clients = events, clients
-        self.certificates = Certificates(kube, namespace, name, events, clients, cert_manager)
+        self.events, self.clients, self.options = events, clients, options
+        self.certificates = Certificates(
+            kube, namespace, name, events, clients, options.cert_manager
+        )
 
     def ensure_objects(self, job: dict[str, Any], spec: JobSpec) -> None:
-        """The job's token and TLS Secrets, PodDisruptionBudget and (gang scheduled) PodGroup,
-        created when missing. InvalidInput when the job asks for gang scheduling and the cluster
-        has no PodGroup kind."""
+        """The job's token and TLS Secrets (or cert-manager's objects), PodDisruptionBudget,
+        NetworkPolicy (with `options.isolation`) and (gang scheduled) PodGroup, created when
+        missing. InvalidInput when the job asks for gang scheduling and the cluster has no
+        PodGroup kind; CertificatesPending while cert-manager has not issued its Secrets."""
         if self.kube.get(self.namespace, "secrets", render.secret_name(self.name)) is None:
             self.kube.create(self.namespace, "secrets", render.token_secret(job))
         self.certificates.ensure(job)
         if self.kube.get(self.namespace, "poddisruptionbudgets", self.name) is None:
             self.kube.create(self.namespace, "poddisruptionbudgets", render.disruption_budget(job))
+        isolation = self.options.isolation
+        if isolation and self.kube.get(self.namespace, "networkpolicies", self.name) is None:
+            policy = render.network_policy(job, spec, isolation)
+            self.kube.create(self.namespace, "networkpolicies", policy)
         groups = render.pod_group_resource(spec)
         if spec.gang and self.kube.get(self.namespace, groups, self.name) is None:
             group = render.pod_group(job, spec)

@@ -22,7 +22,7 @@ from typing import Any
 from liveshard_core.errors import InvalidInput
 
 from . import publish, sentinel
-from .act import Executor
+from .act import DEFAULTS, Executor, Options
 from .agents import AgentClient, AgentError, fan_out
 from .certificates import CertificatesPending
 from .conditions import Conditions
@@ -54,12 +54,11 @@ class JobController:
         name: str,
         events: Events,
         metrics: Metrics | None = None,
-        cert_manager: bool = False,
+        options: Options = DEFAULTS,
     ) -> None:
-        """`cert_manager`: the job's certificates are cert-manager's to issue (`certificates`)."""
         self.kube, self.namespace, self.name = kube, namespace, name
         self.clients: dict[str, AgentClient] = {}  # one per pod, kept across passes
-        self.executor = Executor(kube, namespace, name, events, self.clients, cert_manager)
+        self.executor = Executor(kube, namespace, name, events, self.clients, options)
         self.metrics = metrics or Metrics()  # the operator's, or one of its own nobody serves
         self.job = f"{namespace}/{name}"  # its `job` label
         # The member of a reconfiguration in flight that the wait after the pass follows: None

@@ -20,6 +20,7 @@ from typing import Any
 
 import kopf
 
+from .act import Options
 from .controller import JobController
 from .kube import Kube
 from .leader import Elector
@@ -32,7 +33,7 @@ PERIOD = 2.0  # seconds between passes when nothing wakes the controller
 STOP_TIMEOUT = 10.0  # seconds the loops get to end their passes when the operator stops
 METRICS = Metrics()
 ELECTOR: Elector | None = None  # set by `main` with --leader-elect; None: this replica leads
-CERT_MANAGER = False  # set by `main` with --cert-manager: cert-manager issues jobs' certificates
+OPTIONS = Options()  # what `main`'s flags ask of every job
 _kube: Kube | None = None
 _loops: dict[tuple[str, str], JobLoop] = {}
 _lock = threading.Lock()
@@ -86,7 +87,7 @@ class JobLoop:
 
     def _run(self) -> None:
         controller = self.controller = JobController(
-            api(), self.namespace, self.name, _post_event, METRICS, CERT_MANAGER
+            api(), self.namespace, self.name, _post_event, METRICS, OPTIONS
         )
         try:
             while not self.stopped.is_set():

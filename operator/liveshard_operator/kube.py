@@ -240,6 +240,7 @@ class Kube(JsonApi):
 
 _APIS = {
     "poddisruptionbudgets": "/apis/policy/v1",
+    "networkpolicies": "/apis/networking.k8s.io/v1",
     "certificates": "/apis/cert-manager.io/v1",
     "issuers": "/apis/cert-manager.io/v1",
     "podgroups": "/apis/scheduling.x-k8s.io/v1alpha1",

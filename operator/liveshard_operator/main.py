@@ -4,6 +4,7 @@ its Prometheus metrics, and, with `--leader-elect`, reconcile only while it hold
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import socket
@@ -15,8 +16,10 @@ import kopf
 from liveshard_core import logs
 
 from . import handlers
+from .act import Options
 from .leader import Election, Elector
 from .metrics import DEFAULT_PORT
+from .render import Isolation
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     args = flags.parse_args(argv)
     logs.configure(logging.DEBUG if args.verbose else logging.INFO, args.log_format)
     assert handlers.job_changed  # the handlers register on import
-    handlers.CERT_MANAGER = args.cert_manager
+    try:
+        isolation = isolation_of(args)
+    except ValueError as err:
+        flags.error(str(err))
+    handlers.OPTIONS = Options(cert_manager=args.cert_manager, isolation=isolation)
     if args.leader_elect:
         try:
             election = election_of(args)
@@ -82,9 +89,59 @@ def parser() -> argparse.ArgumentParser:
         help="have cert-manager issue each job's CA and certificates (cert-manager.io/v1 "
         "Issuers and Certificates the operator creates) rather than issuing them itself",
     )  # fmt: skip
+    _network_policy_flags(parser)
     _leader_election_flags(parser)
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser
+
+
+def _network_policy_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "a NetworkPolicy per job (made when the operator's pods are named; the chart names them)"
+    )
+    group.add_argument(
+        "--operator-pod-labels", metavar="KEY=VALUE,...",
+        help="labels of the operator's pods, which alone may call the agents: each job then gets "
+        "a NetworkPolicy that lets only its own workers and those pods reach its workers",
+    )  # fmt: skip
+    group.add_argument(
+        "--operator-namespace",
+        help="the operator pods' namespace (default: $POD_NAMESPACE, else the service account's)",
+    )
+    group.add_argument(
+        "--job-metrics-from", metavar="JSON", default="[]",
+        help="who may scrape the workers' metrics port: a JSON list of NetworkPolicyPeers "
+        "(default []: anyone)",
+    )  # fmt: skip
+
+
+def isolation_of(args: argparse.Namespace) -> Isolation | None:
+    """The per-job NetworkPolicy's peers the flags name (None: no policy); ValueError naming a
+    malformed flag."""
+    if not args.operator_pod_labels:
+        return None
+    labels = dict(pair.partition("=")[::2] for pair in args.operator_pod_labels.split(","))
+    if any(not key or not value for key, value in labels.items()):
+        raise ValueError(f"--operator-pod-labels: expected KEY=VALUE,..., got "
+                         f"{args.operator_pod_labels!r}")  # fmt: skip
+    namespace = args.operator_namespace or _own_namespace()
+    if not namespace:
+        raise ValueError("--operator-pod-labels needs --operator-namespace outside a pod")
+    try:
+        peers = json.loads(args.job_metrics_from)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--job-metrics-from: not JSON: {err}") from None
+    if not isinstance(peers, list) or not all(isinstance(p, dict) for p in peers):
+        raise ValueError("--job-metrics-from: expected a JSON list of NetworkPolicyPeer objects")
+    return Isolation(namespace, labels, peers)
+
+
+def _own_namespace() -> str:
+    """$POD_NAMESPACE, else the service account's namespace ("" outside a pod)."""
+    namespace = os.environ.get("POD_NAMESPACE", "")
+    if not namespace and SERVICE_ACCOUNT_NAMESPACE.is_file():
+        namespace = SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
+    return namespace
 
 
 def _leader_election_flags(parser: argparse.ArgumentParser) -> None:
@@ -116,9 +173,7 @@ def _leader_election_flags(parser: argparse.ArgumentParser) -> None:
 
 def election_of(args: argparse.Namespace) -> Election:
     """The election the flags ask for; ValueError naming what is missing or inconsistent."""
-    namespace = args.leader_elect_namespace or os.environ.get("POD_NAMESPACE")
-    if not namespace and SERVICE_ACCOUNT_NAMESPACE.is_file():
-        namespace = SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
+    namespace = args.leader_elect_namespace or _own_namespace()
     if not namespace:
         raise ValueError("--leader-elect needs --leader-elect-namespace outside a pod")
     identity = args.leader_elect_identity or (

@@ -9,7 +9,9 @@
   `<job>-operator-tls`, what only the operator reads (the CA's key, the operator's client pair);
   or, where cert-manager issues them, the job's cert-manager Issuers and Certificates that make
   those Secrets (`cert_manager_objects`);
-- a PodDisruptionBudget, so a drain takes the job's pods one at a time.
+- a PodDisruptionBudget, so a drain takes the job's pods one at a time;
+- a NetworkPolicy, so that only the job's own workers and the operator reach its workers
+  (`network_policy`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import copy
 import math
 import secrets
+from dataclasses import dataclass, field
 from typing import Any
 
 from liveshard_core.job import DEFAULT_METRICS_PORT
@@ -196,6 +199,46 @@ def disruption_budget(job: dict[str, Any]) -> dict[str, Any]:
         "kind": "PodDisruptionBudget",
         "metadata": {"name": name, "labels": {JOB_LABEL: name}, "ownerReferences": [owner(job)]},
         "spec": {"maxUnavailable": 1, "selector": {"matchLabels": {JOB_LABEL: name}}},
+    }
+
+
+@dataclass(frozen=True)
+class Isolation:
+    """Who may reach a job's workers besides its own: the operator's pods (by namespace and
+    labels) on the agent's port, and `metrics_from` (NetworkPolicyPeers; empty: anyone) on the
+    `metrics` port."""
+
+    namespace: str
+    labels: dict[str, str]
+    metrics_from: list[dict[str, Any]] = field(default_factory=list)
+
+
+def network_policy(job: dict[str, Any], spec: JobSpec, isolation: Isolation) -> dict[str, Any]:
+    """The job's NetworkPolicy: its workers accept every port from each other (the agents' API,
+    the c10d stores, the collectives), the agent's port from the operator, the `metrics` port
+    from `isolation.metrics_from`, and nothing else."""
+    name = job["metadata"]["name"]
+    workers = {"podSelector": {"matchLabels": {JOB_LABEL: name}}}
+    operator = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": isolation.namespace}},
+        "podSelector": {"matchLabels": dict(isolation.labels)},
+    }
+    metrics: dict[str, Any] = {"ports": [{"protocol": "TCP", "port": DEFAULT_METRICS_PORT}]}
+    if isolation.metrics_from:
+        metrics["from"] = copy.deepcopy(isolation.metrics_from)
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": name, "labels": {JOB_LABEL: name}, "ownerReferences": [owner(job)]},
+        "spec": {
+            **workers,
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [workers]},
+                {"from": [operator], "ports": [{"protocol": "TCP", "port": spec.port}]},
+                metrics,
+            ],
+        },
     }
 
 

@@ -144,6 +144,7 @@ NAMESPACED = _expand(
         ("", "pods"): "get list watch create patch delete",
         ("", "secrets"): "get create patch",
         ("policy", "poddisruptionbudgets"): "get create",
+        ("networking.k8s.io", "networkpolicies"): "get create",
         ("scheduling.x-k8s.io", "podgroups"): "get create",
         ("scheduling.volcano.sh", "podgroups"): "get create",
         ("", "events"): "create",
@@ -197,6 +198,12 @@ def test_rbac_grants_exactly_what_the_operator_uses(helm: Path) -> None:
     assert "--cert-manager" in container["args"]
     (container,) = _one(everywhere, "Deployment")["spec"]["template"]["spec"]["containers"]
     assert "--cert-manager" not in container["args"]
+    # Without a NetworkPolicy per job, no grant for one.
+    alone = _render(helm, "--set", "networkPolicy.perJob=false")
+    assert (
+        _grants(_one(alone, "ClusterRole")["rules"])
+        == NAMESPACED - _expand({("networking.k8s.io", "networkpolicies"): "get create"}) | CLUSTER
+    )
 
 
 def test_deployment_runs_a_leader_and_a_standby_non_root_with_probes(helm: Path) -> None:
@@ -214,6 +221,11 @@ def test_deployment_runs_a_leader_and_a_standby_non_root_with_probes(helm: Path)
         "--liveness=http://$(POD_IP):8080/healthz",
         "--metrics-address=$(POD_IP)",
         "--metrics-port=9401",
+        # Each job's NetworkPolicy lets these pods (the operator's) call the agents.
+        "--operator-pod-labels="
+        + ",".join(f"{k}={v}" for k, v in sorted(spec["selector"]["matchLabels"].items())),
+        "--operator-namespace=ops",
+        "--job-metrics-from=[]",
         "--leader-elect",
         "--leader-elect-lease-name=rel-liveshard-operator",
         "--leader-elect-namespace=ops",
@@ -481,11 +493,19 @@ def test_install_waits_for_a_ready_operator_that_passes_restricted_pod_security(
     # It serves its health endpoint on the pod's IP, as the chart told it to.
     ip = pod["status"]["podIP"]
     args = json.loads(kube.logs(pod["metadata"]["name"]).split("ARGS ", 1)[1].splitlines()[0])
+    # The labels the jobs' NetworkPolicies name the operator's pods by: this pod's.
+    labels = {k: v for k, v in pod["metadata"]["labels"].items() if k in (
+        "app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component"
+    )}  # fmt: skip
+    assert len(labels) == 3
     assert args == [
         "--all-namespaces",
         f"--liveness=http://{ip}:8080/healthz",
         f"--metrics-address={ip}",
         "--metrics-port=9401",
+        f"--operator-pod-labels={','.join(f'{k}={v}' for k, v in sorted(labels.items()))}",
+        f"--operator-namespace={kube.namespace}",
+        "--job-metrics-from=[]",
         "--leader-elect",
         f"--leader-elect-lease-name={_account(release)}",
         f"--leader-elect-namespace={kube.namespace}",

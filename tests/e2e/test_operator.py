@@ -203,6 +203,17 @@ def metrics(pod: dict[str, Any], port: int = DEFAULT_METRICS_PORT) -> dict[tuple
     return out
 
 
+def selector(label_selector: dict[str, Any]) -> str:
+    """A LabelSelector of matchLabels as a query's `labelSelector`."""
+    return ",".join(f"{k}={v}" for k, v in sorted(label_selector["matchLabels"].items()))
+
+
+def pod_port(pod: dict[str, Any], name: str) -> int:
+    """The number of the agent container's port `name`."""
+    ports = pod["spec"]["containers"][0]["ports"]
+    return int(next(p["containerPort"] for p in ports if p["name"] == name))
+
+
 def event_reasons(kube: Kube) -> list[str]:
     events = kube.kubectl("get", "events", "--field-selector", f"involvedObject.name={JOB}",
                           "-o", "json").stdout  # fmt: skip
@@ -845,6 +856,24 @@ def test_an_agent_call_without_the_token_is_refused_and_its_certificate_renewed_
     kube.apply(job(1))
     Steps(kube).wait(training(1), "training with 1", STARTUP)
     (pod,) = members(kube).values()
+    # The job's NetworkPolicy names the job's workers and the running operator's pod, and lets
+    # the operator in on the agent's port only.
+    base = f"/apis/networking.k8s.io/v1/namespaces/{kube.namespace}/networkpolicies"
+    policy = kube.get(f"{base}/{JOB}")
+    assert policy is not None and policy["metadata"]["ownerReferences"][0]["name"] == JOB
+    own, operator, scrape = policy["spec"]["ingress"]
+    assert own["from"] == [{"podSelector": policy["spec"]["podSelector"]}]
+    assert [p["metadata"]["name"] for p in kube.pods(selector(policy["spec"]["podSelector"]))] == [
+        pod["metadata"]["name"]
+    ]
+    (peer,) = operator["from"]
+    assert peer["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": kube.namespace
+    }
+    (chosen,) = kube.pods(selector(peer["podSelector"]))
+    assert chosen["spec"]["containers"][0]["command"] == ["liveshard-operator"]
+    assert operator["ports"] == [{"protocol": "TCP", "port": pod_port(pod, "agent")}]
+    assert scrape == {"ports": [{"protocol": "TCP", "port": pod_port(pod, "metrics")}]}
     for wrong in (None, "not-the-token"):
         with pytest.raises(grpc.RpcError) as err:
             agent_status(kube, pod, wrong)

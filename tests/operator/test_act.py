@@ -14,7 +14,7 @@ import grpc
 import pytest
 from liveshard_operator import controller as controller_module
 from liveshard_operator import pki, render
-from liveshard_operator.act import Executor
+from liveshard_operator.act import Executor, Options
 from liveshard_operator.actions import Prepare
 from liveshard_operator.agents import AgentClient, AgentError, prepare_request
 from liveshard_operator.controller import JobController
@@ -362,6 +362,37 @@ class NoPodGroups(FakeKube):
             self.calls.append(("create", resource, body))
             raise ApiError("POST", "/apis/scheduling.x-k8s.io/...", 404, "404 page not found")
         return super().create(namespace, resource, body)
+
+
+class NoPolicies(FakeKube):
+    """An API server with none of the job's NetworkPolicies yet."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+        self.created: list[tuple[str, dict[str, Any]]] = []
+
+    def get(self, namespace: str, resource: str, name: str) -> dict[str, Any] | None:
+        if resource == "networkpolicies":
+            return next((b for r, b in self.created if r == resource), None)
+        return super().get(namespace, resource, name)
+
+    def create(self, namespace: str, resource: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.created.append((resource, body))
+        return super().create(namespace, resource, body)
+
+
+def test_a_job_gets_its_network_policy_once_when_the_operators_pods_are_named() -> None:
+    the_job = job(3)
+    operator = render.Isolation("ops", {"app": "op"})
+    for options, made in ((Options(), 0), (Options(isolation=operator), 1)):
+        kube = NoPolicies()
+        executor = Executor(kube, "ns", "tiny", lambda *_: None, {}, options)  # type: ignore[arg-type]
+        for _ in range(2):
+            executor.ensure_objects(the_job.body, the_job.spec)
+        policies = [b for r, b in kube.created if r == "networkpolicies"]
+        assert len(policies) == made
+        if made:
+            assert policies == [render.network_policy(the_job.body, the_job.spec, operator)]
 
 
 def test_a_gang_job_gets_its_pod_group_or_a_condition_naming_the_missing_kind() -> None:

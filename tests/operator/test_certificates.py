@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from liveshard_operator import pki, render
+from liveshard_operator.act import Options
 from liveshard_operator.certificates import Certificates
 from liveshard_operator.controller import JobController
 from liveshard_operator.kube import ApiError
@@ -136,6 +137,9 @@ def test_the_ca_rotates_when_asked_or_due_trusting_both_until_every_agent_serves
     assert pki.certificates(secret("operator")["ca.crt"])[1] == trusted[0]
 
 
+CERT_MANAGER = Options(cert_manager=True)
+
+
 class CertManagerKube(FakeKube):
     """An API server with cert-manager's kinds (`installed`) or without; the Secrets cert-manager
     writes are put in `secrets` by the test."""
@@ -190,7 +194,7 @@ def pending_reason(calls: Calls) -> dict[str, Any]:
 def test_without_cert_managers_kinds_the_job_waits_with_a_condition_naming_it() -> None:
     calls: Calls = []
     controller = JobController(CertManagerKube(calls, installed=False), "ns", "tiny",
-                               lambda *_: None, cert_manager=True)  # type: ignore[arg-type]  # fmt: skip
+                               lambda *_: None, options=CERT_MANAGER)  # type: ignore[arg-type]  # fmt: skip
     assert controller.reconcile()
     ready = pending_reason(calls)
     assert ready["reason"] == "CertificatesPending"
@@ -201,7 +205,7 @@ def test_without_cert_managers_kinds_the_job_waits_with_a_condition_naming_it() 
 def test_cert_managers_objects_are_made_once_and_its_secrets_read_when_issued() -> None:
     calls: Calls = []
     kube = CertManagerKube(calls)
-    controller = JobController(kube, "ns", "tiny", lambda *_: None, cert_manager=True)  # type: ignore[arg-type]
+    controller = JobController(kube, "ns", "tiny", lambda *_: None, options=CERT_MANAGER)  # type: ignore[arg-type]
     assert controller.reconcile()
     made = [c[1:] for c in calls if c[0] == "create"]
     assert made == [("issuers", "tiny-selfsigned"), ("certificates", "tiny-ca"),

@@ -164,6 +164,35 @@ def test_secret_and_budget() -> None:
     assert render.selector("tiny") == "liveshard.io/job=tiny,liveshard.io/role=member"
 
 
+def test_network_policy_lets_only_the_jobs_workers_and_the_operator_in() -> None:
+    spec = JobSpec.parse({**JOB["spec"], "port": 7171})
+    operator = render.Isolation("ops", {"app": "liveshard-operator"})
+    policy = render.network_policy(JOB, spec, operator)
+    assert policy["metadata"]["name"] == "tiny"
+    assert policy["metadata"]["ownerReferences"] == [render.owner(JOB)]
+    workers = {"podSelector": {"matchLabels": {"liveshard.io/job": "tiny"}}}
+    assert policy["spec"] == {
+        **workers,
+        "policyTypes": ["Ingress"],
+        "ingress": [
+            {"from": [workers]},  # every port: the agents, the c10d stores, the collectives
+            {
+                "from": [{
+                    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ops"}},
+                    "podSelector": {"matchLabels": {"app": "liveshard-operator"}},
+                }],
+                "ports": [{"protocol": "TCP", "port": 7171}],
+            },
+            {"ports": [{"protocol": "TCP", "port": 9400}]},  # metrics, from anyone
+        ],
+    }  # fmt: skip
+    scrapers = [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]
+    limited = render.network_policy(JOB, spec, render.Isolation("ops", {"a": "b"}, scrapers))
+    assert limited["spec"]["ingress"][2] == {
+        "ports": [{"protocol": "TCP", "port": 9400}], "from": scrapers,
+    }  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("members", "used", "dp"),
     [(4, 4, 4), (3, 3, 3), (5, 4, 4), (1, 1, 1), (8, 8, 4), (7, 6, 6)],

@@ -80,6 +80,12 @@ liveshard_operator call (tests/e2e/test_chart.py runs the operator under them).
 - apiGroups: [scheduling.x-k8s.io, scheduling.volcano.sh]
   resources: [podgroups]
   verbs: [get, create]
+{{- if .Values.networkPolicy.perJob }}
+# Each job's NetworkPolicy (its workers reachable by each other and the operator only).
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, create]
+{{- end }}
 {{- if .Values.certManager.enabled }}
 # With cert-manager, each job's Issuers and Certificates (the Secrets are cert-manager's).
 - apiGroups: [cert-manager.io]
