@@ -159,7 +159,25 @@ CLUSTER = _expand(
 
 
 def test_rbac_grants_exactly_what_the_operator_uses(helm: Path) -> None:
-    everywhere = _render(helm)
+    # By default the release's namespace alone: no ClusterRole grants anything on Secrets.
+    default = _render(helm)
+    assert _grants(_one(default, "ClusterRole")["rules"]) == CLUSTER | _expand(
+        {("", "namespaces"): "list watch"}
+    )
+    (role,) = [
+        o for o in default
+        if o["kind"] == "Role" and o["metadata"]["name"] == "rel-liveshard-operator"
+    ]  # fmt: skip
+    assert role["metadata"]["namespace"] == "ops" and _grants(role["rules"]) == NAMESPACED
+    (container,) = _one(default, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert container["args"][0] == "--namespace=ops"
+    refused = subprocess.run(
+        [str(helm), "template", "rel", str(CHART), "--set", "watchAllNamespaces=true",
+         "--set", "watchNamespaces={a}"], capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert refused.returncode != 0 and "set one or the other" in refused.stderr
+
+    everywhere = _render(helm, "--set", "watchAllNamespaces=true")
     assert _grants(_one(everywhere, "ClusterRole")["rules"]) == NAMESPACED | CLUSTER
     binding = _one(everywhere, "ClusterRoleBinding")
     account = _one(everywhere, "ServiceAccount")["metadata"]["name"]
@@ -175,7 +193,9 @@ def test_rbac_grants_exactly_what_the_operator_uses(helm: Path) -> None:
     election_binding = _one(everywhere, "RoleBinding", "ops")
     assert election_binding["roleRef"]["name"] == election["metadata"]["name"]
     assert election_binding["subjects"] == binding["subjects"]
-    alone = _render(helm, "--set", "operator.leaderElection.enabled=false")
+    alone = _render(
+        helm, "--set", "operator.leaderElection.enabled=false", "--set", "watchAllNamespaces=true"
+    )
     assert not [o for o in alone if o["kind"] in ("Role", "RoleBinding")]
 
     # Listed namespaces: what lives in them only there; namespaces list/watch for kopf.
@@ -199,7 +219,7 @@ def test_rbac_grants_exactly_what_the_operator_uses(helm: Path) -> None:
     (container,) = _one(everywhere, "Deployment")["spec"]["template"]["spec"]["containers"]
     assert "--cert-manager" not in container["args"]
     # Without a NetworkPolicy per job, no grant for one.
-    alone = _render(helm, "--set", "networkPolicy.perJob=false")
+    alone = _render(helm, "--set", "networkPolicy.perJob=false", "--set", "watchAllNamespaces=true")
     assert (
         _grants(_one(alone, "ClusterRole")["rules"])
         == NAMESPACED - _expand({("networking.k8s.io", "networkpolicies"): "get create"}) | CLUSTER
@@ -217,7 +237,7 @@ def test_deployment_runs_a_leader_and_a_standby_non_root_with_probes(helm: Path)
     (container,) = pod["containers"]
     assert container["command"] == ["liveshard-operator"]
     assert container["args"] == [
-        "--all-namespaces",
+        "--namespace=ops",
         "--liveness=http://$(POD_IP):8080/healthz",
         "--metrics-address=$(POD_IP)",
         "--metrics-port=9401",
@@ -343,7 +363,10 @@ def test_monitors_render_only_when_enabled_and_keep_the_series_job_label(helm: P
     assert workers["spec"]["selector"] == {
         "matchExpressions": [{"key": "liveshard.io/job", "operator": "Exists"}]
     }
-    assert workers["spec"]["namespaceSelector"] == {"any": True}
+    assert workers["spec"]["namespaceSelector"] == {"matchNames": ["ops"]}  # the release's
+    everywhere = _render(helm, "--set", "metrics.serviceMonitor.enabled=true",
+                         "--set", "watchAllNamespaces=true")  # fmt: skip
+    assert _one(everywhere, "PodMonitor")["spec"]["namespaceSelector"] == {"any": True}
     assert workers["spec"]["podMetricsEndpoints"] == [
         {"port": "metrics", "path": "/metrics", "interval": "15s", "honorLabels": True}
     ]
@@ -499,7 +522,7 @@ def test_install_waits_for_a_ready_operator_that_passes_restricted_pod_security(
     )}  # fmt: skip
     assert len(labels) == 3
     assert args == [
-        "--all-namespaces",
+        f"--namespace={kube.namespace}",
         f"--liveness=http://{ip}:8080/healthz",
         f"--metrics-address={ip}",
         "--metrics-port=9401",
@@ -591,6 +614,7 @@ def test_operator_account_gets_403_for_what_it_does_not_use(installed: tuple[Kub
         ("create event", "POST", f"{ns}/events", event),
         ("list nodes", "GET", "/api/v1/nodes", None),
         ("list crds", "GET", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", None),
+        ("list namespaces", "GET", "/api/v1/namespaces", None),  # kopf resolves the watched one
         ("create its lease", "POST", leases, lease),
         ("get its lease", "GET", f"{leases}/{_account(release)}", None),
     ]  # fmt: skip
@@ -604,7 +628,10 @@ def test_operator_account_gets_403_for_what_it_does_not_use(installed: tuple[Kub
         ("scale a job", "PATCH", f"{jobs}/any/scale", {"spec": {"replicas": 1}}),
         ("evict a pod", "POST", f"{ns}/pods/any/eviction", {}),
         ("cordon a node", "PATCH", "/api/v1/nodes/node-0", {"spec": {"unschedulable": True}}),
-        ("list namespaces", "GET", "/api/v1/namespaces", None),
+        # The default install watches its own namespace: no Secret access anywhere else.
+        ("get a secret elsewhere", "GET", "/api/v1/namespaces/default/secrets/job-token", None),
+        ("create a secret elsewhere", "POST", "/api/v1/namespaces/default/secrets", secret),
+        ("list pods elsewhere", "GET", "/api/v1/namespaces/default/pods", None),
         ("create a role", "POST", roles, {}),
         ("list leases", "GET", leases, None),
         ("get another lease", "GET", f"{leases}/other", None),

@@ -110,12 +110,28 @@ liveshard_operator call (tests/e2e/test_chart.py runs the operator under them).
   verbs: [get, list, watch]
 {{- end -}}
 
-{{/* The namespaces the NetworkPolicy goes to. */}}
-{{- define "liveshard.networkPolicyNamespaces" -}}
-{{- if .Values.networkPolicy.namespaces -}}
-{{- toJson .Values.networkPolicy.namespaces -}}
+{{/* The namespaces the operator watches, as JSON: [] for every namespace (watchAllNamespaces),
+else watchNamespaces, else the release's namespace alone. */}}
+{{- define "liveshard.watched" -}}
+{{- if .Values.watchAllNamespaces -}}
+{{- if .Values.watchNamespaces -}}
+{{- fail "watchAllNamespaces and watchNamespaces: set one or the other" -}}
+{{- end -}}
+{{- toJson (list) -}}
 {{- else if .Values.watchNamespaces -}}
 {{- toJson .Values.watchNamespaces -}}
+{{- else -}}
+{{- toJson (list .Release.Namespace) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The namespaces the NetworkPolicy goes to. */}}
+{{- define "liveshard.networkPolicyNamespaces" -}}
+{{- $watched := include "liveshard.watched" . | fromJsonArray -}}
+{{- if .Values.networkPolicy.namespaces -}}
+{{- toJson .Values.networkPolicy.namespaces -}}
+{{- else if $watched -}}
+{{- toJson $watched -}}
 {{- else -}}
 {{- toJson (list .Release.Namespace) -}}
 {{- end -}}
