@@ -84,18 +84,17 @@ class Executor:
 
     def ensure_objects(self, job: dict[str, Any], spec: JobSpec) -> None:
         """The job's token and TLS Secrets (or cert-manager's objects), PodDisruptionBudget,
-        NetworkPolicy (with `options.isolation`) and (gang scheduled) PodGroup, created when
-        missing. InvalidInput when the job asks for gang scheduling and the cluster has no
-        PodGroup kind; CertificatesPending while cert-manager has not issued its Secrets."""
+        NetworkPolicy (with `options.isolation`; kept up to date) and (gang scheduled) PodGroup,
+        created when missing. InvalidInput when the job asks for gang scheduling and the cluster
+        has no PodGroup kind; CertificatesPending while cert-manager has not issued its
+        Secrets."""
         if self.kube.get(self.namespace, "secrets", render.secret_name(self.name)) is None:
             self.kube.create(self.namespace, "secrets", render.token_secret(job))
         self.certificates.ensure(job)
         if self.kube.get(self.namespace, "poddisruptionbudgets", self.name) is None:
             self.kube.create(self.namespace, "poddisruptionbudgets", render.disruption_budget(job))
-        isolation = self.options.isolation
-        if isolation and self.kube.get(self.namespace, "networkpolicies", self.name) is None:
-            policy = render.network_policy(job, spec, isolation)
-            self.kube.create(self.namespace, "networkpolicies", policy)
+        if self.options.isolation:
+            self._network_policy(render.network_policy(job, spec, self.options.isolation))
         groups = render.pod_group_resource(spec)
         if spec.gang and self.kube.get(self.namespace, groups, self.name) is None:
             group = render.pod_group(job, spec)
@@ -109,6 +108,21 @@ class Executor:
                     f"spec.scheduling.gang: the cluster serves no PodGroup "
                     f"({group['apiVersion']}): install {which} CRDs"
                 ) from None
+
+    def _network_policy(self, policy: dict[str, Any]) -> None:
+        """The job's NetworkPolicy: created when missing, its rules put back when they differ
+        (the job's port edited, the operator upgraded with other peers)."""
+        found = self.kube.get(self.namespace, "networkpolicies", self.name)
+        if found is None:
+            self.kube.create(self.namespace, "networkpolicies", policy)
+        elif found.get("spec") != policy["spec"]:
+            log.info("job %s: its NetworkPolicy's rules are out of date: put back", self.name)
+            try:
+                self.kube.patch(
+                    self.namespace, "networkpolicies", self.name, {"spec": policy["spec"]}
+                )
+            except ApiError as err:  # a grant missing is worth a log line, not the pass
+                log.warning("job %s: putting its NetworkPolicy back: %s", self.name, err)
 
     def token(self) -> str:
         """The job's token, which every agent call carries."""

@@ -144,7 +144,7 @@ NAMESPACED = _expand(
         ("", "pods"): "get list watch create patch delete",
         ("", "secrets"): "get create patch",
         ("policy", "poddisruptionbudgets"): "get create",
-        ("networking.k8s.io", "networkpolicies"): "get create",
+        ("networking.k8s.io", "networkpolicies"): "get create patch",
         ("scheduling.x-k8s.io", "podgroups"): "get create",
         ("scheduling.volcano.sh", "podgroups"): "get create",
         ("", "events"): "create",
@@ -220,10 +220,8 @@ def test_rbac_grants_exactly_what_the_operator_uses(helm: Path) -> None:
     assert "--cert-manager" not in container["args"]
     # Without a NetworkPolicy per job, no grant for one.
     alone = _render(helm, "--set", "networkPolicy.perJob=false", "--set", "watchAllNamespaces=true")
-    assert (
-        _grants(_one(alone, "ClusterRole")["rules"])
-        == NAMESPACED - _expand({("networking.k8s.io", "networkpolicies"): "get create"}) | CLUSTER
-    )
+    policies = _expand({("networking.k8s.io", "networkpolicies"): "get create patch"})
+    assert _grants(_one(alone, "ClusterRole")["rules"]) == NAMESPACED - policies | CLUSTER
 
 
 def test_deployment_runs_a_leader_and_a_standby_non_root_with_probes(helm: Path) -> None:

@@ -874,6 +874,15 @@ def test_an_agent_call_without_the_token_is_refused_and_its_certificate_renewed_
     assert chosen["spec"]["containers"][0]["command"] == ["liveshard-operator"]
     assert operator["ports"] == [{"protocol": "TCP", "port": pod_port(pod, "agent")}]
     assert scrape == {"ports": [{"protocol": "TCP", "port": pod_port(pod, "metrics")}]}
+    # Opened by hand to everyone: the operator puts its rules back.
+    kube.kubectl("patch", "networkpolicy", JOB, "--type", "merge", "-p",
+                 json.dumps({"spec": {"ingress": [{}]}}))  # fmt: skip
+
+    def restored() -> bool:
+        now = kube.get(f"{base}/{JOB}")
+        return now is not None and now["spec"] == policy["spec"]
+
+    wait_until(restored, 30, "the job's NetworkPolicy put back")
     for wrong in (None, "not-the-token"):
         with pytest.raises(grpc.RpcError) as err:
             agent_status(kube, pod, wrong)
@@ -942,6 +951,10 @@ def test_an_agent_call_without_the_token_is_refused_and_its_certificate_renewed_
     trained = agent_status(kube, pod, token(kube))
     assert trained.phase == pb.AgentStatus.TRAINING
     Steps(kube).wait(lambda s: s.get("step", 0) > trained.step, "training on")
+    # The policy as stored (with the API server's defaults) is what the operator renders: only
+    # the pass after the hand edit found it out of date.
+    log = kube.logs(chosen["metadata"]["name"])
+    assert log.count(f"job {JOB}: its NetworkPolicy's rules are out of date") == 1
 
 
 def test_cert_manager_issues_the_jobs_certificates_and_its_renewal_is_served_live(

@@ -5,6 +5,7 @@ the reconfiguration it belongs to is recorded. The controller's pass on the same
 from __future__ import annotations
 
 import base64
+import copy
 import datetime
 import threading
 from dataclasses import replace
@@ -370,15 +371,29 @@ class NoPolicies(FakeKube):
     def __init__(self) -> None:
         super().__init__([])
         self.created: list[tuple[str, dict[str, Any]]] = []
+        self.policy: dict[str, Any] | None = None
+        self.refuse_patch = False  # as under an older chart's grants
 
     def get(self, namespace: str, resource: str, name: str) -> dict[str, Any] | None:
         if resource == "networkpolicies":
-            return next((b for r, b in self.created if r == resource), None)
+            return self.policy
         return super().get(namespace, resource, name)
 
     def create(self, namespace: str, resource: str, body: dict[str, Any]) -> dict[str, Any]:
         self.created.append((resource, body))
+        if resource == "networkpolicies":
+            self.policy = copy.deepcopy(body)
         return super().create(namespace, resource, body)
+
+    def patch(self, namespace: str, resource: str, name: str, body: dict[str, Any]) -> None:
+        if resource == "networkpolicies":
+            assert self.policy is not None
+            self.calls.append(("patch", resource))
+            if self.refuse_patch:
+                raise ApiError("PATCH", f"networkpolicies/{name}", 403, "forbidden")
+            self.policy["spec"].update(copy.deepcopy(body["spec"]))
+            return
+        super().patch(namespace, resource, name, body)
 
 
 def test_a_job_gets_its_network_policy_once_when_the_operators_pods_are_named() -> None:
@@ -393,6 +408,20 @@ def test_a_job_gets_its_network_policy_once_when_the_operators_pods_are_named() 
         assert len(policies) == made
         if made:
             assert policies == [render.network_policy(the_job.body, the_job.spec, operator)]
+            assert ("patch", "networkpolicies") not in kube.calls  # up to date: left alone
+    # The operator upgraded with other scrapers: the job's rules follow, once.
+    scrapers = [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]
+    wider = Options(isolation=render.Isolation("ops", {"app": "op"}, scrapers))
+    executor = Executor(kube, "ns", "tiny", lambda *_: None, {}, wider)  # type: ignore[arg-type]
+    for _ in range(2):
+        executor.ensure_objects(the_job.body, the_job.spec)
+    assert kube.calls.count(("patch", "networkpolicies")) == 1
+    assert kube.policy == render.network_policy(the_job.body, the_job.spec, wider.isolation)
+    # Without the grant to patch it, the pass goes on (the policy stays as it is).
+    kube.refuse_patch = True
+    narrower = Executor(kube, "ns", "tiny", lambda *_: None, {}, Options(isolation=operator))  # type: ignore[arg-type]
+    narrower.ensure_objects(the_job.body, the_job.spec)
+    assert kube.calls.count(("patch", "networkpolicies")) == 2
 
 
 def test_a_gang_job_gets_its_pod_group_or_a_condition_naming_the_missing_kind() -> None:

@@ -81,10 +81,11 @@ liveshard_operator call (tests/e2e/test_chart.py runs the operator under them).
   resources: [podgroups]
   verbs: [get, create]
 {{- if .Values.networkPolicy.perJob }}
-# Each job's NetworkPolicy (its workers reachable by each other and the operator only).
+# Each job's NetworkPolicy (its workers reachable by each other and the operator only), its
+# rules put back when they differ.
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
-  verbs: [get, create]
+  verbs: [get, create, patch]
 {{- end }}
 {{- if .Values.certManager.enabled }}
 # With cert-manager, each job's Issuers and Certificates (the Secrets are cert-manager's).
