@@ -48,6 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--gpus-per-node", type=int, default=0)
     up.add_argument("--node-cpu", default="8")
     up.add_argument("--node-memory", default="32Gi")
+    up.add_argument(
+        "--pod-network",
+        choices=["loopback", "netns"],
+        default="loopback",
+        help="netns: a network namespace per pod, NetworkPolicies enforced (root needed)",
+    )
     sub.add_parser("down", help="stop everything the cluster started")
     sub.add_parser("status", help="print the kubeconfig path if the cluster runs")
     sub.add_parser("env", help="print shell exports for KUBECONFIG and PATH")
@@ -74,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                 gpus_per_node=args.gpus_per_node,
                 node_cpu=args.node_cpu,
                 node_memory=args.node_memory,
+                pod_network=args.pod_network,
             )
             info = cluster.up(options)
             _print_info(info)

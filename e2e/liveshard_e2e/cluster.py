@@ -23,6 +23,7 @@ from pathlib import Path
 from liveshard_e2e import controlplane as cp
 from liveshard_e2e import procs
 from liveshard_e2e.binaries import Binaries, cache_root, find_binaries
+from liveshard_e2e.kubelet import netns, netpol
 from liveshard_e2e.kubelet.config import KubeletConfig, NodeSpec
 from liveshard_e2e.pki import create_pki, issue_serving_cert
 from liveshard_e2e.rest import Rest
@@ -43,8 +44,12 @@ class ClusterOptions:
     gpus_per_node: int = 0
     node_cpu: str = "8"
     node_memory: str = "32Gi"
+    # "loopback" (pods on the host's network) or "netns" (a namespace each, policies enforced).
+    pod_network: str = "loopback"
 
     def __post_init__(self) -> None:
+        if self.pod_network not in ("loopback", "netns"):
+            raise ValueError(f"pod_network {self.pod_network!r} must be 'loopback' or 'netns'")
         if not self.name.replace("-", "").isalnum():
             raise ValueError(f"cluster name {self.name!r} must be letters, digits and '-'")
         if not 1 <= self.nodes <= 250:
@@ -176,6 +181,7 @@ def _options_json(options: ClusterOptions) -> dict[str, object]:
         "gpus_per_node": options.gpus_per_node,
         "node_cpu": options.node_cpu,
         "node_memory": options.node_memory,
+        "pod_network": options.pod_network,
     }
 
 
@@ -221,8 +227,11 @@ def _start(options: ClusterOptions, bins: Binaries) -> ClusterInfo:
         Path(etcd.log_file),
     )
     apiserver = launch(
-        "kube-apiserver", cp.apiserver_argv(bins, pki, ports, root / "pki" / "generated")
-    )
+        "kube-apiserver",
+        # Pods in namespaces of their own reach it at the gateway address (netns.GATEWAY).
+        cp.apiserver_argv(bins, pki, ports, root / "pki" / "generated",
+                          bind="0.0.0.0" if options.pod_network == "netns" else "127.0.0.1"),
+    )  # fmt: skip
     cp.wait_http_ok(
         "kube-apiserver",
         f"{server}/readyz",
@@ -249,6 +258,7 @@ def _start(options: ClusterOptions, bins: Binaries) -> ClusterInfo:
         log_key=str(log_pair.key),
         nodes=nodes,
         ip_block=zlib.crc32(name.encode()) % 200,
+        pod_network=options.pod_network,
     )
     config_file = kconfig.save()
     env = dict(os.environ)
@@ -306,6 +316,12 @@ def _down_locked(name: str) -> bool:
         if record is not None:
             procs.stop(record, grace_seconds=10)
     _kill_pod_groups(run_dir(name) / "kubelet" / "pids")
+    options = state.get("options")
+    if isinstance(options, dict) and options.get("pod_network") == "netns":
+        # What a kubelet that died left of its pods' namespaces and its policies' tables.
+        tag = netns.cluster_tag(str(run_dir(name)))
+        netns.remove_all(tag)
+        netpol.remove_tables(tag)
     etcd_data = state.get("etcd_data")
     if etcd_data:
         shutil.rmtree(str(etcd_data), ignore_errors=True)

@@ -77,11 +77,13 @@ def etcd_argv(bins: Binaries, data_dir: Path, ports: Ports) -> list[str]:
     ]
 
 
-def apiserver_argv(bins: Binaries, pki: Pki, ports: Ports, cert_dir: Path) -> list[str]:
+def apiserver_argv(
+    bins: Binaries, pki: Pki, ports: Ports, cert_dir: Path, bind: str = "127.0.0.1"
+) -> list[str]:
     return [
         str(bins.kube_apiserver),
         f"--etcd-servers=http://127.0.0.1:{ports.etcd_client}",
-        "--bind-address=127.0.0.1",
+        f"--bind-address={bind}",
         f"--secure-port={ports.apiserver}",
         # On loopback the lease endpoint reconciler rejects the address; 'none' keeps the
         # 'kubernetes' Service without endpoints (nothing here dials it by ClusterIP).

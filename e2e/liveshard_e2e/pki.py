@@ -151,7 +151,9 @@ def create_pki(folder: Path) -> Pki:
         x509.DNSName(n)
         for n in ("localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc")
     ]
-    sans += [x509.IPAddress(ipaddress.ip_address(a)) for a in ("127.0.0.1", "10.0.0.1")]
+    # 169.254.1.1: where pods in network namespaces of their own reach it (kubelet.netns).
+    addresses = ("127.0.0.1", "10.0.0.1", "169.254.1.1")
+    sans += [x509.IPAddress(ipaddress.ip_address(a)) for a in addresses]
     apiserver = _issue(
         folder, "apiserver", _name("kube-apiserver"), ca_cert, ca_key, server=True, sans=sans
     )

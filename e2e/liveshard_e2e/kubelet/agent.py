@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from liveshard_e2e.controlplane import HEARTBEAT_SECONDS
+from liveshard_e2e.kubelet import netns
 from liveshard_e2e.kubelet.config import KubeletConfig
 from liveshard_e2e.kubelet.logserver import LogServer
+from liveshard_e2e.kubelet.netpol import Enforcer
 from liveshard_e2e.kubelet.noderuntime import NodeRuntime
 from liveshard_e2e.kubelet.nodes import NodeAgent
 from liveshard_e2e.kubelet.pods import PodWorker
@@ -30,21 +32,29 @@ class Kubelet:
         self.config = config
         self.rest = Rest(config.kubeconfig, pool_size=64)
         self.nodes_agent = NodeAgent(config, self.rest, HEARTBEAT_SECONDS)
+        host = config.apiserver_host
         base_env = {
             "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
             "HOME": os.environ.get("HOME", "/root"),
-            "KUBERNETES_SERVICE_HOST": "127.0.0.1",
+            "KUBERNETES_SERVICE_HOST": host,
             "KUBERNETES_SERVICE_PORT": str(config.apiserver_port),
             "KUBERNETES_SERVICE_PORT_HTTPS": str(config.apiserver_port),
-            "KUBERNETES_PORT": f"tcp://127.0.0.1:{config.apiserver_port}",
+            "KUBERNETES_PORT": f"tcp://{host}:{config.apiserver_port}",
         }
         self.runtimes = {
             spec.name: NodeRuntime(config, spec, self.rest, base_env) for spec in config.nodes
         }
         self.workers: dict[str, PodWorker] = {}
         self._stop = threading.Event()
+        self.policies: Enforcer | None = None
+        if config.pod_network == "netns":
+            self.policies = Enforcer(self.rest, netns.cluster_tag(config.run_dir))
 
     def run(self) -> None:
+        if self.policies is not None:
+            netns.remove_all(netns.cluster_tag(self.config.run_dir))
+            netns.enable_forwarding()
+            self.policies.start()
         self.nodes_agent.register()
         self.nodes_agent.start()
         logs = LogServer(
@@ -153,6 +163,8 @@ class Kubelet:
             w.deleted()
         for w in workers:
             w.join(5)
+        if self.policies is not None:
+            self.policies.stop()
 
 
 def main(argv: list[str] | None = None) -> None:

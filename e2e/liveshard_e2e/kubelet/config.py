@@ -7,6 +7,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from liveshard_e2e.kubelet.netns import GATEWAY
+
 
 @dataclass(frozen=True)
 class NodeSpec:
@@ -47,6 +49,14 @@ class KubeletConfig:
     nodes: tuple[NodeSpec, ...]
     # Third octet where this cluster's pod IPs start, so clusters side by side rarely overlap.
     ip_block: int = 0
+    # "loopback": pods share the host's network, each at a loopback address of its own;
+    # "netns": each pod has a network namespace, and NetworkPolicies are enforced (netns.py).
+    pod_network: str = "loopback"
+
+    @property
+    def apiserver_host(self) -> str:
+        """Where pods reach the API server (a pod's own loopback is not the host's)."""
+        return GATEWAY if self.pod_network == "netns" else "127.0.0.1"
 
     @property
     def state_dir(self) -> Path:

@@ -42,6 +42,6 @@ def write_pod_credentials(
     (sa_dir / "namespace").write_text(namespace)
     (sa_dir / "ca.crt").write_bytes(Path(config.ca_file).read_bytes())
     kubeconfig = folder / "kubeconfig"
-    server = f"https://127.0.0.1:{config.apiserver_port}"
+    server = f"https://{config.apiserver_host}:{config.apiserver_port}"
     write_kubeconfig(kubeconfig, server, Path(config.ca_file), {"token": token})
     return kubeconfig

@@ -29,11 +29,14 @@ class NodeRuntime:
         self._free_gpus = list(range(self.spec.gpus))
 
     def allocate_ip(self) -> str:
-        """A distinct loopback address per pod:
-        127.<node index + 1>.<cluster's ip_block + n / 250>.<n % 250 + 1>."""
+        """A distinct address per pod: on the loopback,
+        127.<node index + 1>.<cluster's ip_block + n / 250>.<n % 250 + 1>; in a pod network
+        of namespaces, 10.<cluster's ip_block + 1>.<node index>.<n % 250 + 2>."""
         with self._lock:
             n = self._next_ip
             self._next_ip += 1
+        if self.config.pod_network == "netns":
+            return f"10.{self.config.ip_block + 1}.{self.spec.index}.{n % 250 + 2}"
         third = (self.config.ip_block + n // 250) % 256
         return f"127.{self.spec.index + 1}.{third}.{n % 250 + 1}"
 

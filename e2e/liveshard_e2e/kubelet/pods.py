@@ -16,9 +16,11 @@ import time
 import urllib.request
 from typing import Any
 
+from liveshard_e2e.kubelet import netns
 from liveshard_e2e.kubelet.config import pod_dir
 from liveshard_e2e.kubelet.credentials import write_pod_credentials
 from liveshard_e2e.kubelet.env import EnvError, command_line, container_env, decode_secret
+from liveshard_e2e.kubelet.netns import NetworkError, PodNetwork
 from liveshard_e2e.kubelet.noderuntime import NodeRuntime, gpu_request
 from liveshard_e2e.kubelet.probes import run_probe
 from liveshard_e2e.kubelet.runtime import Container, now_rfc3339
@@ -61,6 +63,7 @@ class PodWorker:
         self._gpus: list[int] = []
         self._deadline: float | None = None
         self._grace: int | None = None
+        self.network: PodNetwork | None = None
         self._thread = threading.Thread(target=self._run, name=f"pod {self.key}", daemon=True)
 
     # --- called from the watch thread ------------------------------------------------------
@@ -94,6 +97,8 @@ class PodWorker:
                 c.signal(signal.SIGKILL)
                 c.poll()
             self._release_gpus()
+            if self.network is not None:
+                self.network.down()
             (self.dir / ".done").touch()
 
     def _release_gpus(self) -> None:
@@ -110,6 +115,17 @@ class PodWorker:
     def _lifecycle(self) -> None:
         host_network = self._pod_now()["spec"].get("hostNetwork", False)
         self.pod_ip = "127.0.0.1" if host_network else self.node.allocate_ip()
+        if not host_network and self.node.config.pod_network == "netns":
+            tag = netns.cluster_tag(self.node.config.run_dir)
+            self.network = PodNetwork(tag, self.uid, self.pod_ip, self.name, self.dir)
+            try:
+                self.network.up()
+            except NetworkError as err:
+                for c in self.init_containers + self.containers:
+                    c.waiting = ("CreatePodSandboxError", str(err)[:300])
+                log.warning("pod %s: no network namespace: %s", self.key, err)
+                self._report()
+                return self._finish()
         self._report()
         env_base = self._prepare()
         if env_base is None:
@@ -195,7 +211,7 @@ class PodWorker:
             ids = ",".join(str(i) for i in self._gpus[-wanted:]) if wanted else ""
             env.setdefault("CUDA_VISIBLE_DEVICES", ids)
             env.setdefault("NVIDIA_VISIBLE_DEVICES", ids or "void")
-            c.start(argv, env)
+            c.start(self._wrap(argv), env)
             return True
         except (EnvError, ApiError, OSError) as err:
             kind = "RunContainerError" if isinstance(err, OSError) else "CreateContainerConfigError"
@@ -206,6 +222,10 @@ class PodWorker:
             c.waiting = ("CreateContainerError", f"process kubelet error: {err!r}"[:300])
             log.exception("pod %s: container %s cannot start", self.key, c.name)
             return False
+
+    def _wrap(self, argv: list[str]) -> list[str]:
+        """``argv`` as run in the pod's network namespace, where it has one."""
+        return argv if self.network is None else self.network.wrap(argv)
 
     def _run_init(self, c: Container, env_base: dict[str, str]) -> bool:
         """Runs an init container to success; False when the pod must stop (failure with
@@ -239,7 +259,7 @@ class PodWorker:
         for kind, tracker in checks:
             if not tracker.due(now) or tracker.probe is None:
                 continue
-            tracker.record(run_probe(tracker.probe, c.spec, self.pod_ip, c.env), now)
+            tracker.record(run_probe(tracker.probe, c.spec, self.pod_ip, c.env, self._wrap), now)
             if tracker.failed and kind != "readiness":
                 log.info("pod %s: container %s failed its %s probe", self.key, c.name, kind)
                 c.signal(signal.SIGKILL)

@@ -13,7 +13,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -29,14 +29,19 @@ def _port(value: int | str, container: Mapping[str, Any]) -> int:
 
 
 def run_probe(
-    probe: Mapping[str, Any], container: Mapping[str, Any], pod_ip: str, env: dict[str, str]
+    probe: Mapping[str, Any],
+    container: Mapping[str, Any],
+    pod_ip: str,
+    env: dict[str, str],
+    wrap: Callable[[list[str]], list[str]] = list,
 ) -> bool:
-    """One probe attempt; True on success."""
+    """One probe attempt; True on success. An exec probe's command is run as ``wrap`` makes
+    it (in the pod's network namespace, where it has one)."""
     timeout = float(probe.get("timeoutSeconds") or 1)
     try:
         if "exec" in probe:
             result = subprocess.run(
-                probe["exec"]["command"],
+                wrap(list(probe["exec"]["command"])),
                 env=env,
                 timeout=timeout,
                 check=False,

@@ -1,0 +1,105 @@
+"""Pods in network namespaces of their own (a cluster's ``pod_network="netns"``), routed
+through the host, as a routed network plugin wires them.
+
+A pod not on the host's network gets a namespace whose ``eth0``, one end of a veth pair, holds
+the pod's IP (a /32) and routes everything through :data:`GATEWAY`, an address every host end
+holds; the host routes each pod IP to its pod's end and forwards between them. Traffic between
+pods so crosses the host's forward path, where the cluster's NetworkPolicies are enforced
+(:mod:`liveshard_e2e.kubelet.netpol`); the host itself (probes, tests) always reaches its pods,
+as Kubernetes wants of a node. A container runs in its pod's namespace under a hostname of its
+own, the pod's name, which its ``/etc/hosts`` maps to the pod IP, as a kubelet's does: libraries
+that bind to the host name's address (gloo) bind to the pod's.
+
+Needs root and the ``ip``, ``nsenter``, ``unshare`` and ``mount`` tools (iproute2, util-linux).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import zlib
+from pathlib import Path
+
+GATEWAY = "169.254.1.1"  # on every pod's host end; the pods' route out and the API server's
+NETNS_DIR = Path("/run/netns")
+
+
+class NetworkError(RuntimeError):
+    """A pod's namespace could not be made (no root, a tool or a kernel feature missing)."""
+
+
+def _ip(*args: str) -> None:
+    result = subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise NetworkError(f"ip {' '.join(args)}: {result.stderr.strip() or result.returncode}")
+
+
+def cluster_tag(run_dir: str) -> str:
+    """The prefix of a cluster's namespaces' names (``ls-<tag>-``), so that ``down`` finds
+    them and clusters side by side never share one."""
+    return f"ls-{zlib.crc32(run_dir.encode()):08x}-"
+
+
+def enable_forwarding() -> None:
+    """The host forwards between pods (the routed network's one host-wide switch)."""
+    try:
+        Path("/proc/sys/net/ipv4/ip_forward").write_text("1\n")
+    except OSError as err:
+        raise NetworkError(f"cannot enable IPv4 forwarding (root needed): {err}") from err
+
+
+class PodNetwork:
+    """One pod's namespace, its veth pair and its routes."""
+
+    def __init__(self, tag: str, uid: str, ip: str, hostname: str, folder: Path) -> None:
+        self.namespace = f"{tag}{uid[:12]}"
+        # Interface names hold 15 bytes.
+        self.host_end = f"lsv{zlib.crc32(self.namespace.encode()):08x}"
+        self.ip = ip
+        self.hostname = hostname
+        self.hosts_file = folder / "etc-hosts"
+
+    def up(self) -> None:
+        """Makes the namespace and wires it; what a half-made one left is removed first."""
+        self.down()
+        self.hosts_file.write_text(f"127.0.0.1 localhost\n{self.ip} {self.hostname}\n")
+        _ip("netns", "add", self.namespace)
+        _ip("link", "add", self.host_end, "type", "veth", "peer", "name", "eth0",
+            "netns", self.namespace)  # fmt: skip
+        _ip("addr", "add", f"{GATEWAY}/32", "dev", self.host_end)
+        _ip("link", "set", self.host_end, "up")
+        _ip("route", "add", f"{self.ip}/32", "dev", self.host_end)
+        inside = ("-n", self.namespace)
+        _ip(*inside, "link", "set", "lo", "up")
+        _ip(*inside, "addr", "add", f"{self.ip}/32", "dev", "eth0")
+        _ip(*inside, "link", "set", "eth0", "up")
+        _ip(*inside, "route", "add", GATEWAY, "dev", "eth0", "scope", "link")
+        _ip(*inside, "route", "add", "default", "via", GATEWAY, "dev", "eth0")
+
+    def down(self) -> None:
+        """Removes the namespace; its veth pair and the host's route to it go with it."""
+        remove(self.namespace)
+
+    def wrap(self, argv: list[str]) -> list[str]:
+        """``argv`` run in the pod's namespace with the pod's hostname and ``/etc/hosts`` (the
+        same process: each tool execs the next)."""
+        script = 'hostname "$1" && mount --bind "$2" /etc/hosts && shift 2 && exec "$@"'
+        return [
+            "nsenter", f"--net={NETNS_DIR / self.namespace}", "--",
+            "unshare", "--uts", "--mount", "--propagation", "private", "--",
+            "sh", "-c", script, "sh", self.hostname, str(self.hosts_file), *argv,
+        ]  # fmt: skip
+
+
+def remove(namespace: str) -> None:
+    if (NETNS_DIR / namespace).exists():
+        with contextlib.suppress(NetworkError):
+            _ip("netns", "del", namespace)
+
+
+def remove_all(tag: str) -> None:
+    """Every namespace a cluster's pods left (its kubelet may have died)."""
+    if NETNS_DIR.is_dir():
+        for entry in NETNS_DIR.iterdir():
+            if entry.name.startswith(tag):
+                remove(entry.name)
