@@ -55,6 +55,8 @@ class Options:
     """What the operator's flags ask of every job."""
 
     cert_manager: bool = False  # cert-manager issues its certificates (`certificates`)
+    # The user's issuer of them (None: each job's own CA, under cert-manager).
+    cert_manager_issuer: render.IssuerRef | None = None
     # Who else may reach its workers, for its NetworkPolicy (`render.network_policy`); None: the
     # operator makes none.
     isolation: render.Isolation | None = None
@@ -79,8 +81,9 @@ class Executor:
         self.kube, self.namespace, self.name = kube, namespace, name
         self.events, self.clients, self.options = events, clients, options
         self.certificates = Certificates(
-            kube, namespace, name, events, clients, options.cert_manager
-        )
+            kube, namespace, name, events, clients, options.cert_manager,
+            options.cert_manager_issuer,
+        )  # fmt: skip
 
     def ensure_objects(self, job: dict[str, Any], spec: JobSpec) -> None:
         """The job's token and TLS Secrets (or cert-manager's objects), PodDisruptionBudget,

@@ -43,10 +43,12 @@ class Certificates:
         events: Events,
         clients: dict[str, AgentClient],
         cert_manager: bool = False,
+        issuer: render.IssuerRef | None = None,
     ) -> None:
         self.kube, self.namespace, self.name = kube, namespace, name
         self.events, self.clients = events, clients
         self.cert_manager = cert_manager  # cert-manager issues the job's certificates
+        self.issuer = issuer  # of the user's, which issues them (None: the job's own CA)
         self.serving: pki.Pair | None = None  # the workers' serving pair, as `ensure` read it
         self.serving_ca = b""  # and the CA certificates their Secret trusts
         self._client_tls: ClientTls | None = None  # the operator's side, as `ensure` read it
@@ -115,7 +117,7 @@ class Certificates:
         issues from them, read. CertificatesPending while a Secret is not issued yet, unless an
         earlier pass read both (the pass then goes on with those); or when the cluster serves no
         cert-manager.io/v1 kinds."""
-        for resource, obj in render.cert_manager_objects(job):
+        for resource, obj in render.cert_manager_objects(job, self.issuer):
             if self.kube.get(self.namespace, resource, obj["metadata"]["name"]) is not None:
                 continue
             try:
@@ -130,6 +132,7 @@ class Certificates:
                 if err.status != 409:  # 409: another replica's pass created it
                     raise
         found = {}
+        issuer = self.issuer or render.IssuerRef(render.ca_name(self.name))
         for name in (render.agent_tls_name(self.name), render.operator_tls_name(self.name)):
             secret = self.kube.get(self.namespace, "secrets", name)
             data = _decoded(secret) if secret is not None else {}
@@ -138,9 +141,15 @@ class Certificates:
                     log.warning("job %s: Secret %s is not issued; using the last read", self.name,
                                 name)  # fmt: skip
                     return
+                if {render.TLS_CERT, render.TLS_KEY} <= set(data):
+                    raise CertificatesPending(
+                        f"Secret {name} was issued without {render.CA_CERT}: the agents and the "
+                        f"operator trust only the issuer's CA, so {issuer} must be one that gives "
+                        "it (a CA, Vault or self-signed issuer)"
+                    )
                 raise CertificatesPending(
                     f"waiting for cert-manager to issue Secret {name} (Certificate {name} of "
-                    f"Issuer {render.ca_name(self.name)}; kubectl describe certificate {name})"
+                    f"{issuer}; kubectl describe certificate {name})"
                 )
             if secret is not None and not (secret["metadata"].get("ownerReferences") or []):
                 # cert-manager's Secrets outlive their Certificate: the job owns them, as its own.

@@ -19,7 +19,7 @@ from . import handlers
 from .act import Options
 from .leader import Election, Elector
 from .metrics import DEFAULT_PORT
-from .render import Isolation
+from .render import CERT_MANAGER, Isolation, IssuerRef
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     assert handlers.job_changed  # the handlers register on import
     try:
         isolation = isolation_of(args)
+        issuer = issuer_of(args.cert_manager_issuer)
     except ValueError as err:
         flags.error(str(err))
-    handlers.OPTIONS = Options(cert_manager=args.cert_manager, isolation=isolation)
+    handlers.OPTIONS = Options(cert_manager=args.cert_manager or issuer is not None,
+                               cert_manager_issuer=issuer, isolation=isolation)  # fmt: skip
     if args.leader_elect:
         try:
             election = election_of(args)
@@ -89,6 +91,12 @@ def parser() -> argparse.ArgumentParser:
         help="have cert-manager issue each job's CA and certificates (cert-manager.io/v1 "
         "Issuers and Certificates the operator creates) rather than issuing them itself",
     )  # fmt: skip
+    parser.add_argument(
+        "--cert-manager-issuer", metavar="KIND/NAME",
+        help="have this cert-manager issuer of yours issue every job's certificates (implies "
+        "--cert-manager): Issuer/NAME (in the job's namespace), ClusterIssuer/NAME, or "
+        "KIND.GROUP/NAME for an external issuer; it must put its CA in ca.crt",
+    )  # fmt: skip
     _network_policy_flags(parser)
     _leader_election_flags(parser)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -113,6 +121,18 @@ def _network_policy_flags(parser: argparse.ArgumentParser) -> None:
         help="who may scrape the workers' metrics port: a JSON list of NetworkPolicyPeers "
         "(default []: anyone)",
     )  # fmt: skip
+
+
+def issuer_of(value: str | None) -> IssuerRef | None:
+    """The issuer `--cert-manager-issuer` names (None: none); ValueError when malformed."""
+    if not value:
+        return None
+    kind, _, name = value.partition("/")
+    kind, _, group = kind.partition(".")
+    if not kind or not name or "/" in name:
+        raise ValueError(f"--cert-manager-issuer: expected KIND/NAME (Issuer/NAME, "
+                         f"ClusterIssuer/NAME or KIND.GROUP/NAME), got {value!r}")  # fmt: skip
+    return IssuerRef(name, kind, group or CERT_MANAGER)
 
 
 def isolation_of(args: argparse.Namespace) -> Isolation | None:

@@ -102,13 +102,30 @@ def ca_name(job_name: str) -> str:
     return f"{job_name}-ca"
 
 
-def cert_manager_objects(job: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+@dataclass(frozen=True)
+class IssuerRef:
+    """A cert-manager issuer: the job's own CA Issuer, or one of the user's that issues every
+    job's certificates (`liveshard-operator --cert-manager-issuer`)."""
+
+    name: str
+    kind: str = "Issuer"
+    group: str = CERT_MANAGER
+
+    def __str__(self) -> str:
+        group = "" if self.group == CERT_MANAGER else f".{self.group}"
+        return f"{self.kind}{group} {self.name}"
+
+
+def cert_manager_objects(
+    job: dict[str, Any], issuer: IssuerRef | None = None
+) -> list[tuple[str, dict[str, Any]]]:
     """The job's cert-manager objects, in the order they are needed, as (resource, object): a
     self-signed Issuer, the job's own CA from it (its key kept across renewals, so what it signed
     stays trusted), a CA Issuer of that CA, and from it the workers' serving certificate and the
     operator's client certificate in the Secrets the operator would otherwise write (same names,
     keys, usages, key type and validities as `pki`'s; cert-manager puts `ca.crt` beside each
-    pair). Every object is owned by the job."""
+    pair). With the user's `issuer`, the two certificates alone, of it. Every object is owned by
+    the job."""
     name, namespace = job["metadata"]["name"], job["metadata"]["namespace"]
     ca = ca_name(name)
     hours = {
@@ -116,30 +133,38 @@ def cert_manager_objects(job: dict[str, Any]) -> list[tuple[str, dict[str, Any]]
         "renewBefore": _hours(pki.RENEW_BEFORE.total_seconds()),
     }
 
-    def certificate(secret: str, issuer: str, spec: dict[str, Any]) -> dict[str, Any]:
-        body = {"secretName": secret, "issuerRef": {"name": issuer, "kind": "Issuer",
-                                                    "group": CERT_MANAGER}}  # fmt: skip
-        body["privateKey"] = {"algorithm": "ECDSA", "size": 256, "rotationPolicy": "Always"}
+    def certificate(
+        secret: str, by: IssuerRef, spec: dict[str, Any], rotation: str = "Always"
+    ) -> dict[str, Any]:
+        body = {
+            "secretName": secret,
+            "issuerRef": {"name": by.name, "kind": by.kind, "group": by.group},
+            "privateKey": {"algorithm": "ECDSA", "size": 256, "rotationPolicy": rotation},
+        }
         return _cert_manager(job, "Certificate", secret, {**body, **spec})
 
-    return [
-        ("issuers", _cert_manager(job, "Issuer", f"{name}-selfsigned", {"selfSigned": {}})),
-        ("certificates", certificate(ca, f"{name}-selfsigned", {
-            "isCA": True, "commonName": pki.CA_NAME,
-            "duration": _hours(pki.CA_VALIDITY.total_seconds()),
-            "renewBefore": _hours(pki.CA_RENEW_BEFORE.total_seconds()),
-            "privateKey": {"algorithm": "ECDSA", "size": 256, "rotationPolicy": "Never"},
-            "usages": ["digital signature", "cert sign", "crl sign"],
-        })),
-        ("issuers", _cert_manager(job, "Issuer", ca, {"ca": {"secretName": ca}})),
-        ("certificates", certificate(agent_tls_name(name), ca, {
+    leaves = [
+        ("certificates", certificate(agent_tls_name(name), issuer or IssuerRef(ca), {
             "commonName": pki.AGENT_NAME, "dnsNames": [pki.server_name(name, namespace)],
             "usages": ["digital signature", "server auth"], **hours,
         })),
-        ("certificates", certificate(operator_tls_name(name), ca, {
+        ("certificates", certificate(operator_tls_name(name), issuer or IssuerRef(ca), {
             "commonName": pki.OPERATOR_NAME, "usages": ["digital signature", "client auth"],
             **hours,
         })),
+    ]  # fmt: skip
+    if issuer is not None:
+        return leaves
+    return [
+        ("issuers", _cert_manager(job, "Issuer", f"{name}-selfsigned", {"selfSigned": {}})),
+        ("certificates", certificate(ca, IssuerRef(f"{name}-selfsigned"), {
+            "isCA": True, "commonName": pki.CA_NAME,
+            "duration": _hours(pki.CA_VALIDITY.total_seconds()),
+            "renewBefore": _hours(pki.CA_RENEW_BEFORE.total_seconds()),
+            "usages": ["digital signature", "cert sign", "crl sign"],
+        }, rotation="Never")),
+        ("issuers", _cert_manager(job, "Issuer", ca, {"ca": {"secretName": ca}})),
+        *leaves,
     ]  # fmt: skip
 
 

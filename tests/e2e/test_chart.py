@@ -216,8 +216,27 @@ def test_rbac_grants_exactly_what_the_operator_uses(helm: Path) -> None:
     assert _grants(_one(managed, "Role", "a")["rules"]) == NAMESPACED | issuing
     (container,) = _one(managed, "Deployment")["spec"]["template"]["spec"]["containers"]
     assert "--cert-manager" in container["args"]
+    assert not [a for a in container["args"] if a.startswith("--cert-manager-issuer")]
     (container,) = _one(everywhere, "Deployment")["spec"]["template"]["spec"]["containers"]
     assert "--cert-manager" not in container["args"]
+    # A user's issuer named, by kind and (when not cert-manager's) group.
+    roles = "rel-liveshard-operator"
+    for ref, arg in [(["kind=ClusterIssuer"], "ClusterIssuer/corp"),
+                     (["kind=PCAIssuer", "group=awspca.cert-manager.io"],
+                      "PCAIssuer.awspca.cert-manager.io/corp")]:  # fmt: skip
+        sets = [f"certManager.issuerRef.{v}" for v in ["name=corp", *ref]]
+        flags = [x for v in ["certManager.enabled=true", *sets] for x in ("--set", v)]
+        named = _render(helm, *flags)
+        (container,) = _one(named, "Deployment")["spec"]["template"]["spec"]["containers"]
+        assert f"--cert-manager-issuer={arg}" in container["args"]
+        # The operator then makes no Issuer.
+        only = _expand({("cert-manager.io", "certificates"): "get create"})
+        (role,) = [o for o in named if o["kind"] == "Role" and o["metadata"]["name"] == roles]
+        assert _grants(role["rules"]) == NAMESPACED | only
+    argv = [str(helm), "template", "rel", str(CHART), "--set", "certManager.issuerRef.name=c"]
+    refused = subprocess.run(argv, capture_output=True, text=True)
+    assert refused.returncode != 0
+    assert "certManager.issuerRef is used only with certManager.enabled=true" in refused.stderr
     # Without a NetworkPolicy per job, no grant for one.
     alone = _render(helm, "--set", "networkPolicy.perJob=false", "--set", "watchAllNamespaces=true")
     policies = _expand({("networking.k8s.io", "networkpolicies"): "get create patch"})

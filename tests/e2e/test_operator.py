@@ -1021,3 +1021,37 @@ def test_cert_manager_issues_the_jobs_certificates_and_its_renewal_is_served_liv
             trained = agent_status(kube, next(iter(pods.values())), token(kube))
             assert trained.phase == pb.AgentStatus.TRAINING
             steps.wait(lambda s: s.get("step", 0) > trained.step, "training on")
+
+
+def test_a_users_issuer_issues_the_jobs_certificates_and_no_ca_is_made_per_job(
+    kube: Kube, tmp_path: Path
+) -> None:
+    kinds = ("issuers.cert-manager.io", "certificates.cert-manager.io")
+    install_crd(kube, CERT_MANAGER_CRDS, kinds)
+    # The user's CA, behind an Issuer of theirs.
+    corp = pki.new_authority()
+    pair = {"tls.crt": corp.cert, "tls.key": corp.key}
+    kube.apply({"apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/tls",
+                "metadata": {"name": "corp-ca"},
+                "data": {k: base64.b64encode(v).decode() for k, v in pair.items()}})  # fmt: skip
+    kube.apply({"apiVersion": "cert-manager.io/v1", "kind": "Issuer", "metadata": {
+        "name": "corp-ca"}, "spec": {"ca": {"secretName": "corp-ca"}}})  # fmt: skip
+    values = {"certManager": {"enabled": True, "issuerRef": {"name": "corp-ca"}}}
+    with installed(kube, tmp_path, **values) as kube, CertManager(kube):
+        kube.apply(job(1))
+        Steps(kube).wait(training(1), "training with 1", STARTUP)
+        agent = secret_data(kube, f"{JOB}-agent-tls")
+        operator = secret_data(kube, f"{JOB}-operator-tls")
+        assert agent["ca.crt"] == operator["ca.crt"] == corp.cert
+        assert pki.issued_by(agent["tls.crt"], corp.cert)
+        assert pki.issued_by(operator["tls.crt"], corp.cert)
+        base = f"{CERT_MANAGER_API}/namespaces/{kube.namespace}"
+        made = {(o["kind"], o["metadata"]["name"])
+                for plural in ("issuers", "certificates")
+                for o in (kube.get(f"{base}/{plural}") or {})["items"]}  # fmt: skip
+        assert made == {("Issuer", "corp-ca"), ("Certificate", f"{JOB}-agent-tls"),
+                        ("Certificate", f"{JOB}-operator-tls")}  # fmt: skip
+        (pod,) = members(kube).values()
+        status = agent_status(kube, pod, token(kube))
+        assert status.serving_certificate == pki.fingerprint(agent["tls.crt"])
+        assert status.phase == pb.AgentStatus.TRAINING

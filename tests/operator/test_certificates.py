@@ -259,3 +259,37 @@ def test_cert_managers_certificates_ask_for_what_the_operator_would_issue() -> N
         assert (spec["duration"], spec["renewBefore"]) == ("8760h", "720h")
     for obj in objects.values():
         assert obj["metadata"]["ownerReferences"] == [render.owner(BODY)]
+
+
+def test_a_users_issuer_issues_the_two_certificates_and_nothing_else_is_made() -> None:
+    corp = render.IssuerRef("corp-ca", "ClusterIssuer")
+    calls: Calls = []
+    kube = CertManagerKube(calls)
+    options = Options(cert_manager=True, cert_manager_issuer=corp)
+    controller = JobController(kube, "ns", "tiny", lambda *_: None, options=options)  # type: ignore[arg-type]
+    assert controller.reconcile()
+    made = [c[1:] for c in calls if c[0] == "create"]
+    assert made == [("certificates", "tiny-agent-tls"), ("certificates", "tiny-operator-tls")]
+    for _, name in made:
+        ref = kube.objects[("certificates", name)]["spec"]["issuerRef"]
+        assert ref == {"name": "corp-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"}
+    assert "of ClusterIssuer corp-ca;" in pending_reason(calls)["message"]
+
+    # An issuer that gives no CA certificate (an ACME one) cannot be trusted by name: the
+    # condition says so.
+    kube.issue()
+    for secret in kube.secrets.values():
+        del secret["data"]["ca.crt"]
+    calls.clear()
+    assert controller.reconcile()
+    message = pending_reason(calls)["message"]
+    assert "issued without ca.crt" in message and "ClusterIssuer corp-ca must" in message
+
+    ca = kube.issue()
+    certs = controller.executor.certificates
+    certs.ensure(BODY)
+    assert certs.serving_ca == ca and certs.client_tls().ca == ca
+    external = render.IssuerRef("pca", "AWSPCAClusterIssuer", "awspca.cert-manager.io")
+    assert str(external) == "AWSPCAClusterIssuer.awspca.cert-manager.io pca"
+    ((_, serving), _) = render.cert_manager_objects(BODY, external)
+    assert serving["spec"]["issuerRef"]["group"] == "awspca.cert-manager.io"

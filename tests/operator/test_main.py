@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from liveshard_operator import main
-from liveshard_operator.render import Isolation
+from liveshard_operator.render import Isolation, IssuerRef
 
 
 def isolation(monkeypatch: pytest.MonkeyPatch, *flags: str) -> Isolation | None:
@@ -37,6 +37,8 @@ def test_the_operators_pods_named_make_a_policy_per_job(monkeypatch: pytest.Monk
          "--job-metrics-from: not JSON"),
         (["--operator-pod-labels=a=b", "--operator-namespace=o", "--job-metrics-from={}"],
          "a JSON list of NetworkPolicyPeer"),
+        (["--cert-manager-issuer=corp-ca"], "--cert-manager-issuer: expected KIND/NAME"),
+        (["--cert-manager-issuer=Issuer/a/b"], "--cert-manager-issuer: expected KIND/NAME"),
     ],
 )  # fmt: skip
 def test_malformed_flags_are_refused_naming_the_flag(
@@ -50,3 +52,18 @@ def test_malformed_flags_are_refused_naming_the_flag(
         main.main(["--all-namespaces", *flags])
     assert exited.value.code == 2
     assert refusal in capsys.readouterr().err
+
+
+def test_a_users_issuer_is_named_by_kind_group_and_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert main.issuer_of(None) is None
+    assert main.issuer_of("Issuer/corp") == IssuerRef("corp")
+    assert main.issuer_of("ClusterIssuer/corp") == IssuerRef("corp", "ClusterIssuer")
+    assert main.issuer_of("AWSPCAClusterIssuer.awspca.cert-manager.io/pca") == IssuerRef(
+        "pca", "AWSPCAClusterIssuer", "awspca.cert-manager.io"
+    )
+    # The flag alone turns cert-manager on.
+    monkeypatch.setattr(main.kopf, "run", lambda **_: None)
+    monkeypatch.setattr(main.handlers, "OPTIONS", main.handlers.OPTIONS)  # put back after
+    main.main(["--all-namespaces", "--metrics-port=0", "--cert-manager-issuer=ClusterIssuer/c"])
+    options = main.handlers.OPTIONS
+    assert options.cert_manager and options.cert_manager_issuer == IssuerRef("c", "ClusterIssuer")

@@ -88,9 +88,10 @@ liveshard_operator call (tests/e2e/test_chart.py runs the operator under them).
   verbs: [get, create, patch]
 {{- end }}
 {{- if .Values.certManager.enabled }}
-# With cert-manager, each job's Issuers and Certificates (the Secrets are cert-manager's).
+# With cert-manager, each job's Certificates, and its Issuers unless one of the user's issues
+# them (the Secrets are cert-manager's).
 - apiGroups: [cert-manager.io]
-  resources: [issuers, certificates]
+  resources: [{{ if not .Values.certManager.issuerRef.name }}issuers, {{ end }}certificates]
   verbs: [get, create]
 {{- end }}
 # An Event per reconfiguration (and kopf's own).
