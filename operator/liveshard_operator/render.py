@@ -268,10 +268,14 @@ def network_policy(job: dict[str, Any], spec: JobSpec, isolation: Isolation) -> 
 
 
 # The workers' defaults where the template sets none: the "restricted" Pod Security Standard
-# (the agent image runs as 65532). The root filesystem stays writable: torch and the tokenizers
-# write caches under the home directory.
+# (the agent image runs as 65532) and a read-only root filesystem, with /tmp (the agent image's
+# HOME and working directory: caches, scratch files, a pod's members' sockets) an emptyDir.
 POD_SECURITY = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
-AGENT_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+AGENT_SECURITY = {
+    "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+    "readOnlyRootFilesystem": True,
+}  # fmt: skip
+SCRATCH = "liveshard-tmp"  # the emptyDir at /tmp that goes with AGENT_SECURITY
 POD_GROUP_API = "scheduling.x-k8s.io/v1alpha1"  # scheduler-plugins' coscheduling
 POD_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
 # Volcano's, used when the workers' schedulerName is volcano.
@@ -340,7 +344,11 @@ def worker_pod(job: dict[str, Any], spec: JobSpec) -> dict[str, Any]:
         "readinessProbe",
         {"tcpSocket": {"port": spec.port}, "periodSeconds": 2, "failureThreshold": 3},
     )
-    agent.setdefault("securityContext", copy.deepcopy(AGENT_SECURITY))
+    if "securityContext" not in agent:
+        agent["securityContext"] = copy.deepcopy(AGENT_SECURITY)
+        if not any(m.get("mountPath") == "/tmp" for m in agent.get("volumeMounts") or []):
+            agent.setdefault("volumeMounts", []).append({"name": SCRATCH, "mountPath": "/tmp"})
+            pod_spec.setdefault("volumes", []).append({"name": SCRATCH, "emptyDir": {}})
     # An agent that cannot start says why in its last log lines (a configuration it refuses): the
     # kubelet keeps them as its termination message, which the operator reports.
     agent.setdefault("terminationMessagePolicy", "FallbackToLogsOnError")

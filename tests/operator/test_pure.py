@@ -108,7 +108,19 @@ def test_worker_pods_are_restricted_and_get_no_api_credential_unless_the_templat
                                       "seccompProfile": {"type": "RuntimeDefault"}}  # fmt: skip
     assert pod["containers"][0]["securityContext"] == {
         "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+        "readOnlyRootFilesystem": True,
     }  # fmt: skip
+    # The root filesystem read-only, /tmp is the pod's scratch space.
+    assert pod["containers"][0]["volumeMounts"] == [{"name": "liveshard-tmp", "mountPath": "/tmp"}]
+    assert pod["volumes"] == [{"name": "liveshard-tmp", "emptyDir": {}}]
+    # A template that mounts its own /tmp keeps it.
+    job = copy.deepcopy(JOB)
+    agent = job["spec"]["template"]["spec"]["containers"][0]
+    agent["volumeMounts"] = [{"name": "scratch", "mountPath": "/tmp"}]
+    job["spec"]["template"]["spec"]["volumes"] = [{"name": "scratch", "emptyDir": {}}]
+    pod = render.worker_pod(job, JobSpec.parse(job["spec"]))["spec"]
+    assert pod["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
+    assert [v["name"] for v in pod["volumes"]] == ["scratch"]
     job = copy.deepcopy(JOB)
     template = job["spec"]["template"]["spec"]
     template.update(automountServiceAccountToken=True, securityContext={"runAsUser": 1000})
@@ -117,6 +129,7 @@ def test_worker_pods_are_restricted_and_get_no_api_credential_unless_the_templat
     assert pod["automountServiceAccountToken"] is True
     assert pod["securityContext"] == {"runAsUser": 1000}
     assert pod["containers"][0]["securityContext"] == {"privileged": True}
+    assert "volumes" not in pod  # the template's own security context: no scratch volume
 
 
 def test_worker_pods_prefer_to_spread_over_nodes_unless_the_template_says() -> None:
