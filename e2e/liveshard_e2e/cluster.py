@@ -188,6 +188,8 @@ def _options_json(options: ClusterOptions) -> dict[str, object]:
 def _start(options: ClusterOptions, bins: Binaries) -> ClusterInfo:
     t0 = time.monotonic()
     name = options.name
+    if options.pod_network == "netns" and (why := netns.unavailable()):
+        raise RuntimeError(f"cluster {name}: no pod network of namespaces here: {why}")
     root = run_dir(name)
     shutil.rmtree(root, ignore_errors=True)
     (root / "logs").mkdir(parents=True)

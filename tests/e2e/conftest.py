@@ -19,6 +19,7 @@ import pytest
 
 from liveshard_e2e import cluster
 from liveshard_e2e.binaries import BinariesMissing, find_binaries
+from liveshard_e2e.kubelet import netns
 from liveshard_e2e.testing import Kube
 
 NODES = 3
@@ -51,7 +52,10 @@ def local_cluster() -> Iterator[cluster.ClusterInfo]:
 @pytest.fixture(scope="session")
 def netns_cluster() -> Iterator[cluster.ClusterInfo]:
     """A cluster whose pods have network namespaces of their own and whose NetworkPolicies are
-    enforced (started for the tests that ask for it)."""
+    enforced (started for the tests that ask for it; they skip, saying why, where the machine
+    cannot give pods namespaces: no root, a tool or a kernel feature missing)."""
+    if why := netns.unavailable():
+        pytest.skip(f"no pod network of namespaces here: {why}")
     yield from _session_cluster("-netns", nodes=2, pod_network="netns")
 
 

@@ -116,8 +116,8 @@ except OSError:
 
 @pytest.fixture
 def three(tmp_path: Path) -> Iterator[tuple[str, dict[str, netns.PodNetwork]]]:
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
+    if why := netns.unavailable():
+        pytest.skip(f"no network namespaces for pods here: {why}")
     tag = f"ls-t{os.getpid():07x}-"
     nets = {}
     netns.enable_forwarding()

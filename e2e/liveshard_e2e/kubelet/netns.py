@@ -16,9 +16,13 @@ Needs root and the ``ip``, ``nsenter``, ``unshare`` and ``mount`` tools (iproute
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 import subprocess
 import zlib
 from pathlib import Path
+
+from pyroute2.nftables.main import NFTables
 
 GATEWAY = "169.254.1.1"  # on every pod's host end; the pods' route out and the API server's
 NETNS_DIR = Path("/run/netns")
@@ -38,6 +42,28 @@ def cluster_tag(run_dir: str) -> str:
     """The prefix of a cluster's namespaces' names (``ls-<tag>-``), so that ``down`` finds
     them and clusters side by side never share one."""
     return f"ls-{zlib.crc32(run_dir.encode()):08x}-"
+
+
+def unavailable() -> str:
+    """Why pods cannot have namespaces of their own here ("": they can): not root, a tool
+    missing, or a kernel without network namespaces, veth pairs or nf_tables."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    missing = [t for t in ("ip", "nsenter", "unshare", "mount") if shutil.which(t) is None]
+    if missing:
+        return f"missing tools: {', '.join(missing)}"
+    probe = PodNetwork(f"ls-probe{os.getpid()}-", "0" * 12, "", "", Path())
+    try:
+        _ip("netns", "add", probe.namespace)
+        _ip("link", "add", probe.host_end, "type", "veth", "peer", "name", "eth0",
+            "netns", probe.namespace)  # fmt: skip
+        with NFTables(nfgen_family=1) as nft:  # inet
+            nft.get_tables()
+    except (NetworkError, OSError) as err:
+        return str(err)
+    finally:
+        probe.down()
+    return ""
 
 
 def enable_forwarding() -> None:
