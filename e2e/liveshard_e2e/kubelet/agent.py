@@ -32,14 +32,10 @@ class Kubelet:
         self.config = config
         self.rest = Rest(config.kubeconfig, pool_size=64)
         self.nodes_agent = NodeAgent(config, self.rest, HEARTBEAT_SECONDS)
-        host = config.apiserver_host
         base_env = {
             "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
             "HOME": os.environ.get("HOME", "/root"),
-            "KUBERNETES_SERVICE_HOST": host,
-            "KUBERNETES_SERVICE_PORT": str(config.apiserver_port),
-            "KUBERNETES_SERVICE_PORT_HTTPS": str(config.apiserver_port),
-            "KUBERNETES_PORT": f"tcp://{host}:{config.apiserver_port}",
+            **config.api_env("127.0.0.1"),
         }
         self.runtimes = {
             spec.name: NodeRuntime(config, spec, self.rest, base_env) for spec in config.nodes

@@ -7,8 +7,6 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from liveshard_e2e.kubelet.netns import GATEWAY
-
 
 @dataclass(frozen=True)
 class NodeSpec:
@@ -53,10 +51,15 @@ class KubeletConfig:
     # "netns": each pod has a network namespace, and NetworkPolicies are enforced (netns.py).
     pod_network: str = "loopback"
 
-    @property
-    def apiserver_host(self) -> str:
-        """Where pods reach the API server (a pod's own loopback is not the host's)."""
-        return GATEWAY if self.pod_network == "netns" else "127.0.0.1"
+    def api_env(self, host: str) -> dict[str, str]:
+        """The variables that tell a pod where the API server is, at `host` (127.0.0.1 on the
+        host's network; a pod's own loopback is not the host's)."""
+        return {
+            "KUBERNETES_SERVICE_HOST": host,
+            "KUBERNETES_SERVICE_PORT": str(self.apiserver_port),
+            "KUBERNETES_SERVICE_PORT_HTTPS": str(self.apiserver_port),
+            "KUBERNETES_PORT": f"tcp://{host}:{self.apiserver_port}",
+        }
 
     @property
     def state_dir(self) -> Path:

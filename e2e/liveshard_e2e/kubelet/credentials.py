@@ -21,9 +21,10 @@ def write_pod_credentials(
     uid: str,
     account: str,
     folder: Path,
+    host: str = "127.0.0.1",
 ) -> Path:
     """Mints the pod's token (an :class:`~liveshard_e2e.rest.ApiError` while the account does
-    not exist yet) and returns the path of the pod's kubeconfig."""
+    not exist yet) and returns the path of the pod's kubeconfig, whose server is at `host`."""
     answer = rest.post(
         f"/api/v1/namespaces/{namespace}/serviceaccounts/{account}/token",
         {
@@ -42,6 +43,6 @@ def write_pod_credentials(
     (sa_dir / "namespace").write_text(namespace)
     (sa_dir / "ca.crt").write_bytes(Path(config.ca_file).read_bytes())
     kubeconfig = folder / "kubeconfig"
-    server = f"https://{config.apiserver_host}:{config.apiserver_port}"
+    server = f"https://{host}:{config.apiserver_port}"
     write_kubeconfig(kubeconfig, server, Path(config.ca_file), {"token": token})
     return kubeconfig

@@ -164,6 +164,9 @@ class PodWorker:
     def _credentials(self) -> dict[str, str]:
         env = dict(self.node.base_env)
         env["HOSTNAME"] = self.name
+        # In a namespace of its own, the pod reaches the host's API server at the gateway.
+        host = "127.0.0.1" if self.network is None else netns.GATEWAY
+        env.update(self.node.config.api_env(host))
         spec = self._pod_now()["spec"]
         if spec.get("automountServiceAccountToken", True):
             account = spec.get("serviceAccountName") or "default"
@@ -176,6 +179,7 @@ class PodWorker:
                     self.uid,
                     account,
                     self.dir,
+                    host,
                 )
             )
         return env
