@@ -127,13 +127,13 @@ class JobController:
             spec = JobSpec.parse(body["spec"])
             model = spec.model_spec()
         except (InvalidInput, KeyError, TypeError, ValueError) as err:
-            return self._invalid(body, str(err))
+            return self._not_runnable(body, str(err))
         try:
             self.executor.ensure_objects(body, spec)
         except InvalidInput as err:  # the spec asks for what this cluster lacks
-            return self._invalid(body, str(err))
+            return self._not_runnable(body, str(err))
         except CertificatesPending as err:  # cert-manager has not issued them yet
-            return self._invalid(body, str(err), "CertificatesPending")
+            return self._not_runnable(body, str(err), "CertificatesPending")
         token = self.executor.token()
         seen = observe(
             self.kube, self.namespace, self.name, token, spec.port, self.clients,
@@ -149,10 +149,10 @@ class JobController:
         self.metrics.decided(self.job, decision)
         return True
 
-    def _invalid(self, body: dict[str, Any], error: str, reason: str = "InvalidSpec") -> bool:
+    def _not_runnable(self, body: dict[str, Any], error: str, reason: str = "InvalidSpec") -> bool:
         """Report a job that cannot be run (it stays Pending until its spec changes, or, for
         `reason` CertificatesPending, until its certificates are issued)."""
-        invalid = publish.invalid_spec(body, error, time.time(), reason)
-        self.executor.write(invalid)
-        self.metrics.unobserved(self.job, invalid["phase"])
+        pending = publish.not_runnable(body, error, time.time(), reason)
+        self.executor.write(pending)
+        self.metrics.unobserved(self.job, pending["phase"])
         return True

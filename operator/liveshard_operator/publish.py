@@ -297,7 +297,7 @@ def _precise_stamp(now: float) -> str:
     return moment.replace("+00:00", "Z")
 
 
-def invalid_spec(body: dict[str, Any], error: str, now: float, reason: str = "InvalidSpec"
+def not_runnable(body: dict[str, Any], error: str, now: float, reason: str = "InvalidSpec"
                  ) -> dict[str, Any]:  # fmt: skip
     """The status patch of a job that cannot be run (its spec, or `reason`, such as its
     certificates not issued yet): Pending, saying why."""
