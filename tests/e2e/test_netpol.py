@@ -87,6 +87,10 @@ def test_namespace_selectors_blocks_ranges_and_deny_all() -> None:
     nobody = {"from": [{"podSelector": {"matchLabels": {"job": "b"}}}]}
     empty = allows({"podSelector": {"matchLabels": {"job": "a"}}, "ingress": [nobody]})
     assert empty.isolated == ("10.1.0.2", "10.1.0.3") and empty.allows == ()
+    # Nor does one whose only port is a name the pod has no port of.
+    unnamed = allows({"podSelector": {"matchLabels": {"job": "a"}},
+                      "ingress": [{"ports": [{"port": "grpc"}]}]})  # fmt: skip
+    assert unnamed.isolated == ("10.1.0.2", "10.1.0.3") and unnamed.allows == ()
 
 
 SERVE = """

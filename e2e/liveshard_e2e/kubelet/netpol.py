@@ -168,8 +168,9 @@ def ruleset(
             isolated.add(ip)
             for rule in spec.get("ingress") or []:
                 sources = _sources(rule, namespace, pods, namespaces)
-                if sources != ():
-                    allows.add(Allow(ip, sources, _ports(rule, pod)))
+                ports = _ports(rule, pod)
+                if sources != () and ports != ():  # () admits nothing; None, everything
+                    allows.add(Allow(ip, sources, ports))
     return Ruleset(tuple(sorted(isolated)), tuple(sorted(allows, key=repr)))
 
 
