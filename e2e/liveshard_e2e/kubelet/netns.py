@@ -16,6 +16,7 @@ Needs root and the ``ip``, ``nsenter``, ``unshare`` and ``mount`` tools (iproute
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import subprocess
@@ -44,9 +45,11 @@ def cluster_tag(run_dir: str) -> str:
     return f"ls-{zlib.crc32(run_dir.encode()):08x}-"
 
 
+@functools.cache
 def unavailable() -> str:
     """Why pods cannot have namespaces of their own here ("": they can): not root, a tool
-    missing, or a kernel without network namespaces, veth pairs or nf_tables."""
+    missing, or a kernel without network namespaces, veth pairs or nf_tables (found out once
+    per process)."""
     if os.geteuid() != 0:
         return "network namespaces need root"
     missing = [t for t in ("ip", "nsenter", "unshare", "mount") if shutil.which(t) is None]
@@ -79,8 +82,7 @@ class PodNetwork:
 
     def __init__(self, tag: str, uid: str, ip: str, hostname: str, folder: Path) -> None:
         self.namespace = f"{tag}{uid[:12]}"
-        # Interface names hold 15 bytes.
-        self.host_end = f"lsv{zlib.crc32(self.namespace.encode()):08x}"
+        self.host_end = _host_end(self.namespace)
         self.ip = ip
         self.hostname = hostname
         self.hosts_file = folder / "etc-hosts"
@@ -117,9 +119,18 @@ class PodNetwork:
         ]  # fmt: skip
 
 
+def _host_end(namespace: str) -> str:
+    return f"lsv{zlib.crc32(namespace.encode()):08x}"  # interface names hold 15 bytes
+
+
 def remove(namespace: str) -> None:
-    if (NETNS_DIR / namespace).exists():
-        with contextlib.suppress(NetworkError):
+    """A pod's namespace and its veth pair. The pair is deleted first, by its host end, which
+    takes both ends at once: the kernel frees a deleted namespace's interfaces later, and a
+    pair of the same name made meanwhile would be refused."""
+    with contextlib.suppress(NetworkError):
+        if (Path("/sys/class/net") / _host_end(namespace)).exists():
+            _ip("link", "del", _host_end(namespace))
+        if (NETNS_DIR / namespace).exists():
             _ip("netns", "del", namespace)
 
 
