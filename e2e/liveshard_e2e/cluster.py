@@ -323,6 +323,7 @@ def _down_locked(name: str) -> bool:
         # What a kubelet that died left of its pods' namespaces and its policies' tables.
         tag = netns.cluster_tag(str(run_dir(name)))
         netns.remove_all(tag)
+        netns.restore_forwarding()
         netpol.remove_tables(tag)
     etcd_data = state.get("etcd_data")
     if etcd_data:

@@ -3,18 +3,23 @@ the rules it makes, in the kernel, between real network namespaces (root needed)
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
-from liveshard_e2e.kubelet import netns, netpol
-from liveshard_e2e.kubelet.netpol import Allow, PortRange, Ruleset, Source
+from liveshard_e2e.kubelet import netns, netpol, noderuntime
+from liveshard_e2e.kubelet.config import KubeletConfig, NodeSpec
+from liveshard_e2e.kubelet.netpol import Allow, Peer, PortRange, Ruleset
+from liveshard_e2e.kubelet.noderuntime import NodeRuntime
+from liveshard_e2e.rest import Rest
 
 TCP = 6
 
@@ -57,11 +62,11 @@ def test_selected_pods_are_isolated_and_admit_what_the_rules_name() -> None:
         ],
     })  # fmt: skip
     assert rules.isolated == ("10.1.0.2", "10.1.0.3")
-    workers = (Source("10.1.0.2/32"), Source("10.1.0.3/32"))
+    workers = (Peer("10.1.0.2/32"), Peer("10.1.0.3/32"))
     for ip in rules.isolated:
         # The operator's pod of the policy's namespace only; the named port resolved.
         assert Allow(ip, workers, None) in rules.allows
-        assert Allow(ip, (Source("10.1.0.4/32"),), (PortRange(TCP, 7070, 7070),)) in rules.allows
+        assert Allow(ip, (Peer("10.1.0.4/32"),), (PortRange(TCP, 7070, 7070),)) in rules.allows
         assert Allow(ip, None, (PortRange(TCP, 9400, 9400),)) in rules.allows
     assert len(rules.allows) == 6
 
@@ -76,13 +81,16 @@ def test_namespace_selectors_blocks_ranges_and_deny_all() -> None:
     # Only the pods of the policy's own namespace are selected.
     assert rules.isolated == ("10.1.0.4",)
     (allow,) = rules.allows
-    assert allow.sources == (Source("10.1.0.5/32"), Source("10.1.0.0/16", ("10.1.0.2/32",)))
+    assert allow.peers == (Peer("10.1.0.5/32"), Peer("10.1.0.0/16", ("10.1.0.2/32",)))
     assert allow.ports == (PortRange(17, 8000, 8010),)
-    # No ingress rule: isolated, nothing admitted; an Egress-only policy isolates nothing.
+    # No ingress rule: isolated, nothing admitted; an Egress-only policy isolates for egress only.
     assert allows({"podSelector": {}, "policyTypes": ["Ingress"]}) == Ruleset(
         ("10.1.0.2", "10.1.0.3", "10.1.0.4"), ()
     )
-    assert allows({"podSelector": {}, "policyTypes": ["Egress"], "egress": [{}]}) == Ruleset((), ())
+    egress_only = {"podSelector": {"matchLabels": {"job": "a"}}, "policyTypes": ["Egress"],
+                   "egress": [{}]}  # fmt: skip
+    anywhere = (Allow("10.1.0.2", None, None), Allow("10.1.0.3", None, None))
+    assert allows(egress_only) == Ruleset((), (), ("10.1.0.2", "10.1.0.3"), anywhere)
     # A rule whose peers select no pod admits nothing.
     nobody = {"from": [{"podSelector": {"matchLabels": {"job": "b"}}}]}
     empty = allows({"podSelector": {"matchLabels": {"job": "a"}}, "ingress": [nobody]})
@@ -91,6 +99,40 @@ def test_namespace_selectors_blocks_ranges_and_deny_all() -> None:
     unnamed = allows({"podSelector": {"matchLabels": {"job": "a"}},
                       "ingress": [{"ports": [{"port": "grpc"}]}]})  # fmt: skip
     assert unnamed.isolated == ("10.1.0.2", "10.1.0.3") and unnamed.allows == ()
+
+
+def test_egress_rules_admit_peers_and_resolve_named_ports_at_the_pod_connected_to() -> None:
+    rules = allows({
+        "podSelector": {"matchLabels": {"app": "operator"}},
+        "policyTypes": ["Egress"],
+        "egress": [
+            {"to": [{"podSelector": {"matchLabels": {"job": "a"}}}], "ports": [{"port": "agent"}]},
+            {"to": [{"ipBlock": {"cidr": "10.1.0.0/24", "except": ["10.1.0.3/32"]}}],
+             "ports": [{"port": 53, "protocol": "UDP"}, {"port": "metrics"}]},
+            {"to": [{"namespaceSelector": {"matchLabels": {"team": "z"}}}]},
+        ],
+    })  # fmt: skip
+    # Egress only: the operator's pod is isolated for egress, nothing for ingress.
+    assert (rules.isolated, rules.allows, rules.egress_isolated) == ((), (), ("10.1.0.4",))
+    agent, metrics = PortRange(TCP, 7070, 7070), PortRange(TCP, 9400, 9400)
+    block = (Peer("10.1.0.0/24", ("10.1.0.3/32",)),)
+    assert set(rules.egress_allows) == {
+        # The named port is each selected pod's own.
+        Allow("10.1.0.4", (Peer("10.1.0.2/32"),), (agent,)),
+        Allow("10.1.0.4", (Peer("10.1.0.3/32"),), (agent,)),
+        # The number to the whole block; the name to the block's pods that name it, the
+        # exception and the pods outside the block left out.
+        Allow("10.1.0.4", block, (PortRange(17, 53, 53),)),
+        Allow("10.1.0.4", (Peer("10.1.0.2/32"),), (metrics,)),
+        Allow("10.1.0.4", (Peer("10.1.0.4/32"),), (metrics,)),
+        Allow("10.1.0.4", (Peer("10.1.0.5/32"),), (metrics,)),
+    }
+    # A rule whose peers select nothing (no namespace "z") admits nothing.
+    assert len(rules.egress_allows) == 6
+    # Both kinds at once: each pod isolated both ways.
+    both = allows({"podSelector": {"matchLabels": {"job": "a"}}, "ingress": [{}], "egress": []})
+    assert both.isolated == both.egress_isolated == ("10.1.0.2", "10.1.0.3")
+    assert both.egress_allows == ()
 
 
 SERVE = """
@@ -124,7 +166,6 @@ def three(tmp_path: Path) -> Iterator[tuple[str, dict[str, netns.PodNetwork]]]:
         pytest.skip(f"no network namespaces for pods here: {why}")
     tag = f"ls-t{os.getpid():07x}-"
     nets = {}
-    netns.enable_forwarding()
     try:
         for i, name in enumerate(("a", "b", "c")):
             folder = tmp_path / name
@@ -135,6 +176,28 @@ def three(tmp_path: Path) -> Iterator[tuple[str, dict[str, netns.PodNetwork]]]:
     finally:
         netpol.remove_tables(tag)
         netns.remove_all(tag)
+        netns.restore_forwarding()
+
+
+def connect(source: netns.PodNetwork, target: netns.PodNetwork | str, port: int) -> str:
+    """What a connection from ``source`` to ``target`` (a pod or an address) was answered
+    with: the server's hostname, or "unreachable"."""
+    ip = target if isinstance(target, str) else target.ip
+    argv = source.wrap([sys.executable, "-c", CONNECT, ip, str(port)])
+    return subprocess.run(argv, capture_output=True, text=True, check=True).stdout.strip()
+
+
+@contextlib.contextmanager
+def serving(*wraps: Callable[[list[str]], list[str]], ports: str = "7000 7002") -> Iterator[None]:
+    """SERVE on ``ports`` in each namespace ``wraps`` runs a command in."""
+    servers = [subprocess.Popen(wrap([sys.executable, "-c", SERVE, *ports.split()]))
+               for wrap in wraps]  # fmt: skip
+    try:
+        time.sleep(1.0)
+        yield
+    finally:
+        for server in servers:
+            server.kill()
 
 
 def test_the_kernel_drops_what_the_rules_do_not_admit(
@@ -142,21 +205,12 @@ def test_the_kernel_drops_what_the_rules_do_not_admit(
 ) -> None:
     tag, nets = three
     a, b, c = nets["a"], nets["b"], nets["c"]
-
-    def connect(source: netns.PodNetwork, target: netns.PodNetwork, port: int) -> str:
-        argv = source.wrap([sys.executable, "-c", CONNECT, target.ip, str(port)])
-        return subprocess.run(argv, capture_output=True, text=True, check=True).stdout.strip()
-
-    servers = [
-        subprocess.Popen(net.wrap([sys.executable, "-c", SERVE, "7000", "7002"])) for net in (b, c)
-    ]
-    try:
-        time.sleep(1.0)
+    with serving(b.wrap, c.wrap):
         # Before any rule, all is open; each pod answers under its own hostname.
         assert connect(a, b, 7002) == "b"
         # b admits the /24 but a, on ports 7000-7001; a admits no one.
         tables = netpol.Tables(tag)
-        block = Source("10.250.0.0/24", (f"{a.ip}/32",))
+        block = Peer("10.250.0.0/24", (f"{a.ip}/32",))
         tables.apply(Ruleset((a.ip, b.ip), (Allow(b.ip, (block,), (PortRange(TCP, 7000, 7001),)),)))
         assert connect(c, b, 7000) == "b"
         assert connect(c, b, 7002) == "unreachable"
@@ -168,9 +222,77 @@ def test_the_kernel_drops_what_the_rules_do_not_admit(
                              capture_output=True, text=True, check=True)  # fmt: skip
         assert out.stdout.strip() == "b"
         # A new ruleset replaces the old: b opens to a.
-        tables.apply(Ruleset((b.ip,), (Allow(b.ip, (Source(f"{a.ip}/32"),), None),)))
+        tables.apply(Ruleset((b.ip,), (Allow(b.ip, (Peer(f"{a.ip}/32"),), None),)))
         assert connect(a, b, 7002) == "b"
         assert connect(c, b, 7002) == "unreachable"
-    finally:
-        for server in servers:
-            server.kill()
+
+
+def test_the_kernel_drops_what_egress_rules_do_not_admit_to_pods_and_to_the_host(
+    three: tuple[str, dict[str, netns.PodNetwork]],
+) -> None:
+    tag, nets = three
+    a, b, c = nets["a"], nets["b"], nets["c"]
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        host_port = probe.getsockname()[1]
+    host = socket.gethostname()
+    with serving(b.wrap, c.wrap), serving(lambda argv: argv, ports=str(host_port)):
+        assert connect(a, netns.GATEWAY, host_port) == host
+        # a may open connections to c's port 7000 only; b admits a on 7000 only.
+        tables = netpol.Tables(tag)
+        to_c = Allow(a.ip, (Peer(f"{c.ip}/32"),), (PortRange(TCP, 7000, 7000),))
+        to_b = Allow(a.ip, (Peer(f"{b.ip}/32"),), None)
+        from_a = Allow(b.ip, (Peer(f"{a.ip}/32"),), (PortRange(TCP, 7000, 7000),))
+        tables.apply(Ruleset((b.ip,), (from_a,), (a.ip,), (to_c, to_b)))
+        assert connect(a, c, 7000) == "c"
+        assert connect(a, c, 7002) == "unreachable"
+        # Both ends must admit a connection: a's egress does, b's ingress only on 7000.
+        assert connect(a, b, 7000) == "b"
+        assert connect(a, b, 7002) == "unreachable"
+        # Egress to the host is held to the rules too; other pods are not held by a's.
+        assert connect(a, netns.GATEWAY, host_port) == "unreachable"
+        assert connect(c, netns.GATEWAY, host_port) == host
+        assert connect(c, b, 7000) == "unreachable" and connect(b, c, 7002) == "c"
+        # An address block admits the host.
+        to_host = Allow(a.ip, (Peer(f"{netns.GATEWAY}/32"),), None)
+        tables.apply(Ruleset((), (), (a.ip,), (to_host,)))
+        assert connect(a, netns.GATEWAY, host_port) == host
+        assert connect(a, c, 7000) == "unreachable"
+
+
+def test_a_nodes_pod_addresses_are_taken_in_turn_and_reused_once_released() -> None:
+    config = KubeletConfig("/run", "", 0, "", 0, "", "", (), ip_block=7, pod_network="netns")
+    node = NodeRuntime(config, NodeSpec("n", 3), cast(Rest, None), {})  # no API calls
+    first = node.allocate_ip()
+    assert first == "10.8.3.2"
+    held = [first] + [node.allocate_ip() for _ in range(noderuntime.HOSTS - 1)]
+    assert len(set(held)) == noderuntime.HOSTS and held[-1] == "10.8.3.254"
+    with pytest.raises(netns.NetworkError, match=r"all 253 pod addresses 10\.8\.3\.\* taken"):
+        node.allocate_ip()
+    node.release_ip("10.8.3.9")
+    assert node.allocate_ip() == "10.8.3.9"
+    # Released addresses are given again in turn, not the lowest first.
+    node.release_ip("10.8.3.5")
+    node.release_ip("10.8.3.4")
+    assert node.allocate_ip() == "10.8.3.4" and node.allocate_ip() == "10.8.3.5"
+
+
+def test_forwarding_is_put_back_once_no_pod_namespace_is_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    forwarding, before, namespaces = tmp_path / "ip_forward", tmp_path / "before", tmp_path / "ns"
+    monkeypatch.setattr(netns, "FORWARDING", forwarding)
+    monkeypatch.setattr(netns, "FORWARDING_BEFORE", before)
+    monkeypatch.setattr(netns, "NETNS_DIR", namespaces)
+    forwarding.write_text("0\n")
+    namespaces.mkdir()
+    (namespaces / "ls-0000000a-pod").touch()
+    netns.enable_forwarding()
+    netns.enable_forwarding()  # a second pod, or cluster: what it was before stays the first's
+    assert forwarding.read_text() == "1\n" and before.read_text() == "0\n"
+    netns.restore_forwarding()  # a pod's namespace is left: not yet
+    assert forwarding.read_text() == "1\n"
+    (namespaces / "ls-0000000a-pod").unlink()
+    (namespaces / "other").touch()
+    netns.restore_forwarding()
+    assert forwarding.read_text() == "0\n" and not before.exists()

@@ -1,7 +1,8 @@
 """A job's NetworkPolicy enforced, on a local cluster whose pods have network namespaces of
 their own and whose policies the kernel applies (``pod_network="netns"``, docs/cluster.md): the
 job's workers reach each other, the operator reaches their agents, and any other pod is kept
-from the agents' port while it still reaches what the policy leaves open."""
+from the agents' port while it still reaches what the policy leaves open, unless a policy on
+its own egress keeps it from that."""
 
 from __future__ import annotations
 
@@ -81,6 +82,20 @@ def test_a_jobs_policy_keeps_other_pods_from_its_agents_and_lets_its_workers_and
         wait_until(lambda: reached(kube, agent, "open"), 30, "the agent opened", describe=log)
         kube.kubectl("delete", "networkpolicy", "admit-outsider")
         wait_until(lambda: reached(kube, agent, "closed"), 30, "the agent closed", describe=log)
+        # A policy of the user's on the outsider's egress, to the workers' agent port only, keeps
+        # it from the metrics port the job's policy leaves open: both ends' policies apply.
+        egress = {
+            "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": {"name": "outsider-egress", "namespace": kube.namespace},
+            "spec": {"podSelector": {"matchLabels": {"role": "outsider"}},
+                     "policyTypes": ["Egress"],
+                     "egress": [{"ports": [{"port": pod_port(pod, "agent")}]}]},
+        }  # fmt: skip
+        kube.apply(egress)
+        wait_until(lambda: reached(kube, scrape, "closed"), 30, "metrics closed", describe=log)
+        assert reached(kube, agent, "closed")
+        kube.kubectl("delete", "networkpolicy", "outsider-egress")
+        wait_until(lambda: reached(kube, scrape, "open"), 30, "metrics reopened", describe=log)
 
         # The operator still reaches the agents: it shrinks the job live, and it trains on.
         kube.kubectl("patch", "etj", JOB, "--type", "merge", "-p",

@@ -42,14 +42,12 @@ class Kubelet:
         }
         self.workers: dict[str, PodWorker] = {}
         self._stop = threading.Event()
-        self.policies: Enforcer | None = None
-        if config.pod_network == "netns":
-            self.policies = Enforcer(self.rest, netns.cluster_tag(config.run_dir))
+        self.tag = netns.cluster_tag(config.run_dir)
+        self.policies = Enforcer(self.rest, self.tag) if config.pod_network == "netns" else None
 
     def run(self) -> None:
         if self.policies is not None:
-            netns.remove_all(netns.cluster_tag(self.config.run_dir))
-            netns.enable_forwarding()
+            netns.remove_all(self.tag)
             self.policies.start()
         self.nodes_agent.register()
         self.nodes_agent.start()

@@ -27,6 +27,8 @@ from pyroute2.nftables.main import NFTables
 
 GATEWAY = "169.254.1.1"  # on every pod's host end; the pods' route out and the API server's
 NETNS_DIR = Path("/run/netns")
+FORWARDING = Path("/proc/sys/net/ipv4/ip_forward")
+FORWARDING_BEFORE = Path("/run/liveshard-ip-forward")  # its value before the first pod's
 
 
 class NetworkError(RuntimeError):
@@ -57,9 +59,7 @@ def unavailable() -> str:
         return f"missing tools: {', '.join(missing)}"
     probe = PodNetwork(f"ls-probe{os.getpid()}-", "0" * 12, "", "", Path())
     try:
-        _ip("netns", "add", probe.namespace)
-        _ip("link", "add", probe.host_end, "type", "veth", "peer", "name", "eth0",
-            "netns", probe.namespace)  # fmt: skip
+        probe.pair()
         with NFTables(nfgen_family=1) as nft:  # inet
             nft.get_tables()
     except (NetworkError, OSError) as err:
@@ -70,11 +70,24 @@ def unavailable() -> str:
 
 
 def enable_forwarding() -> None:
-    """The host forwards between pods (the routed network's one host-wide switch)."""
+    """The host forwards between pods (the routed network's one host-wide switch). The first
+    to turn it on keeps what it was in :data:`FORWARDING_BEFORE`, for :func:`restore_forwarding`."""
     try:
-        Path("/proc/sys/net/ipv4/ip_forward").write_text("1\n")
+        if not FORWARDING_BEFORE.exists():
+            FORWARDING_BEFORE.write_text(FORWARDING.read_text())
+        FORWARDING.write_text("1\n")
     except OSError as err:
         raise NetworkError(f"cannot enable IPv4 forwarding (root needed): {err}") from err
+
+
+def restore_forwarding() -> None:
+    """The host's forwarding as it was before pods had namespaces, once none has (of any
+    cluster: each pod turns it on again after making its namespace)."""
+    pods = NETNS_DIR.is_dir() and any(e.name.startswith("ls-") for e in NETNS_DIR.iterdir())
+    if FORWARDING_BEFORE.exists() and not pods:
+        with contextlib.suppress(OSError):
+            FORWARDING.write_text(FORWARDING_BEFORE.read_text())
+            FORWARDING_BEFORE.unlink()
 
 
 class PodNetwork:
@@ -91,9 +104,8 @@ class PodNetwork:
         """Makes the namespace and wires it; what a half-made one left is removed first."""
         self.down()
         self.hosts_file.write_text(f"127.0.0.1 localhost\n{self.ip} {self.hostname}\n")
-        _ip("netns", "add", self.namespace)
-        _ip("link", "add", self.host_end, "type", "veth", "peer", "name", "eth0",
-            "netns", self.namespace)  # fmt: skip
+        self.pair()
+        enable_forwarding()  # after the namespace is there for `restore_forwarding` to see
         _ip("addr", "add", f"{GATEWAY}/32", "dev", self.host_end)
         _ip("link", "set", self.host_end, "up")
         _ip("route", "add", f"{self.ip}/32", "dev", self.host_end)
@@ -103,6 +115,12 @@ class PodNetwork:
         _ip(*inside, "link", "set", "eth0", "up")
         _ip(*inside, "route", "add", GATEWAY, "dev", "eth0", "scope", "link")
         _ip(*inside, "route", "add", "default", "via", GATEWAY, "dev", "eth0")
+
+    def pair(self) -> None:
+        """The namespace and its veth pair, ``eth0`` inside."""
+        _ip("netns", "add", self.namespace)
+        _ip("link", "add", self.host_end, "type", "veth", "peer", "name", "eth0",
+            "netns", self.namespace)  # fmt: skip
 
     def down(self) -> None:
         """Removes the namespace; its veth pair and the host's route to it go with it."""

@@ -3,13 +3,14 @@ kernel with nftables, as a network plugin's policy agent enforces them.
 
 Every half second the enforcer lists the policies, pods and namespaces; when what they allow
 changed, it writes a new table and then removes the old one (two tables both apply in between,
-so a change never opens more than either allows). The table's ``forward`` chain sees traffic
-between pods (:mod:`liveshard_e2e.kubelet.netns`): it accepts packets of connections already
-admitted, then for each pod that an Ingress policy selects the connections some rule of those
-policies admits (source pods, namespaces or address blocks with their exceptions; ports, named
-ports and port ranges), and drops the rest. A pod no policy selects is open. Traffic from the
-host (probes, tests) is never filtered, as Kubernetes wants of a node. Egress rules are not
-enforced: a policy's egress is logged once and ignored.
+so a change never opens more than either allows). Traffic between pods crosses the host's
+forward path (:mod:`liveshard_e2e.kubelet.netns`), a pod's traffic to the host its input path.
+The table accepts packets of connections already admitted; a connection from a pod that an
+Egress policy selects must be admitted by some egress rule of those policies (on both paths),
+and one to a pod that an Ingress policy selects by some ingress rule (peers: pods, namespaces or
+address blocks with their exceptions; ports, named ports and port ranges); the rest is dropped.
+A pod no policy selects is open. Traffic from the host (probes, tests) is never filtered, as
+Kubernetes wants of a node.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ CT_ESTABLISHED_OR_RELATED = 2 | 4
 
 
 @dataclass(frozen=True)
-class Source:
-    """An address block a connection may come from, less its exceptions."""
+class Peer:
+    """An address block a connection may come from (ingress) or go to (egress), less its
+    exceptions."""
 
     cidr: str
     excepts: tuple[str, ...] = ()
@@ -53,20 +55,23 @@ class PortRange:
 
 @dataclass(frozen=True)
 class Allow:
-    """Connections to ``pod`` from any of ``sources`` (None: anywhere) to any of ``ports``
-    (None: every port)."""
+    """Connections of ``pod`` with any of ``peers`` (None: any address) on any of ``ports``
+    (None: every port), the destination's: to ``pod`` for ingress, from it for egress."""
 
     pod: str
-    sources: tuple[Source, ...] | None
+    peers: tuple[Peer, ...] | None
     ports: tuple[PortRange, ...] | None
 
 
 @dataclass(frozen=True)
 class Ruleset:
-    """What the cluster's policies allow: the isolated pods' IPs and their allowances."""
+    """What the cluster's policies allow: the IPs of the pods isolated for ingress and their
+    allowances, and those of the pods isolated for egress and theirs."""
 
     isolated: tuple[str, ...]
     allows: tuple[Allow, ...]
+    egress_isolated: tuple[str, ...] = ()
+    egress_allows: tuple[Allow, ...] = ()
 
 
 # --- what the policies say ------------------------------------------------------------------
@@ -93,43 +98,49 @@ def _labels(obj: Mapping[str, Any]) -> dict[str, str]:
     return dict(obj["metadata"].get("labels") or {})
 
 
-def _ports(rule: Mapping[str, Any], pod: Mapping[str, Any]) -> tuple[PortRange, ...] | None:
-    """A rule's ports at ``pod`` (a named port is the pod's container port of that name)."""
-    if not rule.get("ports"):
-        return None
-    named = {
+def _named(pod: Mapping[str, Any]) -> dict[str, int]:
+    """A pod's named container ports."""
+    return {
         p["name"]: int(p["containerPort"])
         for c in pod["spec"].get("containers") or []
         for p in c.get("ports") or []
         if p.get("name")
     }
-    ranges = []
-    for entry in rule["ports"]:
-        protocol = PROTOCOLS[entry.get("protocol", "TCP")]
-        port = entry.get("port")
-        if port is None:
-            ranges.append(PortRange(protocol, 0, 65535))
-        elif isinstance(port, int):
-            ranges.append(PortRange(protocol, port, int(entry.get("endPort") or port)))
-        elif port in named:
-            ranges.append(PortRange(protocol, named[port], named[port]))
-    return tuple(ranges)
 
 
-def _sources(
-    rule: Mapping[str, Any],
+def _range(entry: Mapping[str, Any], named: Mapping[str, int]) -> PortRange | None:
+    """A rule's port entry as a range; None for a name not in ``named``."""
+    protocol = PROTOCOLS[entry.get("protocol", "TCP")]
+    port = entry.get("port")
+    if port is None:
+        return PortRange(protocol, 0, 65535)
+    if isinstance(port, int):
+        return PortRange(protocol, port, int(entry.get("endPort") or port))
+    return PortRange(protocol, named[port], named[port]) if port in named else None
+
+
+def _ports(rule: Mapping[str, Any], named: Mapping[str, int]) -> tuple[PortRange, ...] | None:
+    """A rule's ports, names resolved in ``named`` (None: every port; (): none)."""
+    if not rule.get("ports"):
+        return None
+    ranges = (_range(entry, named) for entry in rule["ports"])
+    return tuple(r for r in ranges if r is not None)
+
+
+def _peers(
+    peers: list[dict[str, Any]] | None,
     namespace: str,
     pods: list[dict[str, Any]],
     namespaces: Mapping[str, dict[str, str]],
-) -> tuple[Source, ...] | None:
-    """The sources a rule's ``from`` admits (None: every source)."""
-    if not rule.get("from"):
+) -> tuple[Peer, ...] | None:
+    """The addresses a rule's ``from`` or ``to`` admits (None: every address)."""
+    if not peers:
         return None
-    found: list[Source] = []
-    for peer in rule["from"]:
+    found: list[Peer] = []
+    for peer in peers:
         if "ipBlock" in peer:
             block = peer["ipBlock"]
-            found.append(Source(block["cidr"], tuple(block.get("except") or ())))
+            found.append(Peer(block["cidr"], tuple(block.get("except") or ())))
             continue
         if "namespaceSelector" in peer:
             chosen = {n for n, labels in namespaces.items()
@@ -137,11 +148,37 @@ def _sources(
         else:
             chosen = {namespace}
         found += [
-            Source(f"{p['status']['podIP']}/32")
+            Peer(f"{p['status']['podIP']}/32")
             for p in pods
             if p["metadata"]["namespace"] in chosen and selects(peer.get("podSelector"), _labels(p))
         ]
     return tuple(found)
+
+
+def _covers(peers: tuple[Peer, ...] | None, ip: str) -> bool:
+    address = ipaddress.IPv4Address(ip)
+    return peers is None or any(
+        address in ipaddress.IPv4Network(p.cidr, strict=False)
+        and not any(address in ipaddress.IPv4Network(e, strict=False) for e in p.excepts)
+        for p in peers
+    )
+
+
+def _egress(
+    ip: str, rule: Mapping[str, Any], peers: tuple[Peer, ...] | None, pods: list[dict[str, Any]]
+) -> list[Allow]:
+    """What an egress rule lets the pod at ``ip`` open. A named port is a container port of
+    the pod connected to, so each pod among ``peers`` that names it is a peer of its own."""
+    ports = _ports(rule, {})
+    allows = [Allow(ip, peers, ports)] if ports != () else []
+    for entry in rule.get("ports") or []:
+        if not isinstance(entry.get("port"), str):
+            continue
+        for pod in pods:
+            target = pod["status"]["podIP"]
+            if (found := _range(entry, _named(pod))) is not None and _covers(peers, target):
+                allows.append(Allow(ip, (Peer(f"{target}/32"),), (found,)))
+    return allows
 
 
 def ruleset(
@@ -151,27 +188,35 @@ def ruleset(
 ) -> Ruleset:
     """What ``policies`` allow between ``pods`` (those with their own IP), in ``namespaces``
     (name to labels)."""
-    isolated: set[str] = set()
-    allows: set[Allow] = set()
+    isolated: dict[str, set[str]] = {"Ingress": set(), "Egress": set()}
+    allows: dict[str, set[Allow]] = {"Ingress": set(), "Egress": set()}
     for policy in policies:
         spec, namespace = policy["spec"], policy["metadata"]["namespace"]
         types = spec.get("policyTypes") or ["Ingress", *(["Egress"] if "egress" in spec else [])]
-        if "Ingress" not in types:
-            continue
         targets = [
             p for p in pods
             if p["metadata"]["namespace"] == namespace
             and selects(spec.get("podSelector"), _labels(p))
         ]  # fmt: skip
+        rules = {kind: spec.get(kind.lower()) or [] for kind in isolated.keys() & set(types)}
         for pod in targets:
             ip = pod["status"]["podIP"]
-            isolated.add(ip)
-            for rule in spec.get("ingress") or []:
-                sources = _sources(rule, namespace, pods, namespaces)
-                ports = _ports(rule, pod)
-                if sources != () and ports != ():  # () admits nothing; None, everything
-                    allows.add(Allow(ip, sources, ports))
-    return Ruleset(tuple(sorted(isolated)), tuple(sorted(allows, key=repr)))
+            for kind in rules:
+                isolated[kind].add(ip)
+            for rule in rules.get("Ingress", ()):
+                peers = _peers(rule.get("from"), namespace, pods, namespaces)
+                ports = _ports(rule, _named(pod))
+                if peers != () and ports != ():  # () admits nothing; None, everything
+                    allows["Ingress"].add(Allow(ip, peers, ports))
+            for rule in rules.get("Egress", ()):
+                peers = _peers(rule.get("to"), namespace, pods, namespaces)
+                if peers != ():
+                    allows["Egress"].update(_egress(ip, rule, peers, pods))
+
+    def listed(kind: str) -> tuple[tuple[str, ...], tuple[Allow, ...]]:
+        return tuple(sorted(isolated[kind])), tuple(sorted(allows[kind], key=repr))
+
+    return Ruleset(*listed("Ingress"), *listed("Egress"))
 
 
 # --- nftables ---------------------------------------------------------------------------------
@@ -235,28 +280,51 @@ def _established() -> list[dict[str, Any]]:
     ]
 
 
-def _rules(rules: Ruleset) -> tuple[list[str], list[tuple[str, list[dict[str, Any]]]]]:
-    """The table's extra chains (one per address block with exceptions) and its rules, each
-    with its chain."""
-    chains: list[str] = []
-    out: list[tuple[str, list[dict[str, Any]]]] = [("forward", [*_established(), _verdict(1)])]
-    for allow in rules.allows:
-        target = _address(16, f"{allow.pod}/32")
-        for source in allow.sources or (None,):
-            matches = list(target)
+# The table's base chains: each at its hook, jumping to a regular chain of rules. A packet must
+# be accepted by every base chain of its hook (a drop in one is final), in any order.
+BASE_CHAINS = (
+    ("egress_forward", "forward", "egress"),
+    ("egress_input", "input", "egress"),
+    ("ingress_forward", "forward", "ingress"),
+)
+
+Rules = list[tuple[str, list[dict[str, Any]]]]
+
+
+def _direction(
+    chain: str, isolated: tuple[str, ...], allows: tuple[Allow, ...], own: int, peer: int,
+    chains: list[str],
+) -> Rules:  # fmt: skip
+    """The rules of ``chain``: accept what ``allows`` admit, the pod's address at header offset
+    ``own`` and its peer's at ``peer`` (12: source, 16: destination), drop the rest of the
+    ``isolated`` pods'. A block with exceptions gets a chain of its own, added to ``chains``."""
+    out: Rules = []
+    for allow in allows:
+        pod = _address(own, f"{allow.pod}/32")
+        for block in allow.peers or (None,):
+            matches = list(pod)
             verdict = _verdict(NF_ACCEPT)
-            if source is not None:
-                matches += _address(12, source.cidr)
-                if source.excepts:
-                    chain = f"except{len(chains)}"
-                    chains.append(chain)
-                    out += [(chain, [*_address(12, e), _verdict(NFT_RETURN)])
-                            for e in source.excepts]  # fmt: skip
-                    out.append((chain, [_verdict(NF_ACCEPT)]))
-                    verdict = _verdict(NFT_JUMP, chain)
+            if block is not None:
+                matches += _address(peer, block.cidr)
+                if block.excepts:
+                    name = f"except{len(chains)}"
+                    chains.append(name)
+                    out += [(name, [*_address(peer, e), _verdict(NFT_RETURN)])
+                            for e in block.excepts]  # fmt: skip
+                    out.append((name, [_verdict(NF_ACCEPT)]))
+                    verdict = _verdict(NFT_JUMP, name)
             for ports in allow.ports or (None,):
-                out.append(("forward", [*matches, *(_port(ports) if ports else []), verdict]))
-    out += [("forward", [*_address(16, f"{ip}/32"), _verdict(NF_DROP)]) for ip in rules.isolated]
+                out.append((chain, [*matches, *(_port(ports) if ports else []), verdict]))
+    return out + [(chain, [*_address(own, f"{ip}/32"), _verdict(NF_DROP)]) for ip in isolated]
+
+
+def _rules(rules: Ruleset) -> tuple[list[str], Rules]:
+    """The table's regular chains and its rules, each with its chain."""
+    chains = ["ingress", "egress"]
+    out: Rules = [(base, [*_established(), _verdict(NF_ACCEPT)]) for base, _, _ in BASE_CHAINS]
+    out += [(base, [_verdict(NFT_JUMP, target)]) for base, _, target in BASE_CHAINS]
+    out += _direction("ingress", rules.isolated, rules.allows, 16, 12, chains)
+    out += _direction("egress", rules.egress_isolated, rules.egress_allows, 12, 16, chains)
     return chains, out
 
 
@@ -274,14 +342,16 @@ class Tables:
         chains, out = _rules(rules)
         with NFTables(nfgen_family=1) as nft:  # inet
             nft.table("add", name=table)
-            nft.chain("add", table=table, name="forward", hook="forward", type="filter",
-                      policy=NF_ACCEPT)  # fmt: skip
+            for name, hook, _ in BASE_CHAINS:
+                nft.chain("add", table=table, name=name, hook=hook, type="filter",
+                          policy=NF_ACCEPT)  # fmt: skip
             for chain in chains:
                 nft.chain("add", table=table, name=chain)
             for chain, expressions in out:
                 nft.rule("add", table=table, chain=chain, expressions=[expressions])
         remove_tables(self.tag, keep=table)
-        log.info("network policies: %d pods isolated, %d rules", len(rules.isolated), len(out))
+        log.info("network policies: %d pods isolated for ingress, %d for egress, %d rules",
+                 len(rules.isolated), len(rules.egress_isolated), len(out))  # fmt: skip
 
 
 class Enforcer:
@@ -291,7 +361,6 @@ class Enforcer:
         self.rest = rest
         self.tables = Tables(tag)
         self._applied: Ruleset | None = None
-        self._warned: set[str] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="netpol", daemon=True)
 
@@ -315,11 +384,6 @@ class Enforcer:
 
     def sync(self) -> None:
         policies = self.rest.get("/apis/networking.k8s.io/v1/networkpolicies")["items"]
-        for p in policies:
-            key = f"{p['metadata']['namespace']}/{p['metadata']['name']}"
-            if p["spec"].get("egress") and key not in self._warned:
-                self._warned.add(key)
-                log.warning("policy %s: its egress rules are not enforced here", key)
         pods = [
             p
             for p in self.rest.get("/api/v1/pods")["items"]

@@ -10,7 +10,10 @@ from typing import Any
 
 from liveshard_e2e.kubelet.config import KubeletConfig, NodeSpec
 from liveshard_e2e.kubelet.env import EnvError
+from liveshard_e2e.kubelet.netns import NetworkError
 from liveshard_e2e.rest import Rest
+
+HOSTS = 253  # a node's pod addresses in a pod network of namespaces: .2 to .254
 
 
 @dataclass
@@ -22,6 +25,7 @@ class NodeRuntime:
     rest: Rest
     base_env: dict[str, str]
     _next_ip: int = 0
+    _taken: set[str] = field(default_factory=set)  # the pod network's addresses in use
     _free_gpus: list[int] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -31,14 +35,29 @@ class NodeRuntime:
     def allocate_ip(self) -> str:
         """A distinct address per pod: on the loopback,
         127.<node index + 1>.<cluster's ip_block + n / 250>.<n % 250 + 1>; in a pod network
-        of namespaces, 10.<cluster's ip_block + 1>.<node index>.<n % 250 + 2>."""
+        of namespaces, the next free 10.<cluster's ip_block + 1>.<node index>.<2 to 254>,
+        taken until :meth:`release_ip` (:class:`NetworkError` when all are)."""
         with self._lock:
             n = self._next_ip
             self._next_ip += 1
-        if self.config.pod_network == "netns":
-            return f"10.{self.config.ip_block + 1}.{self.spec.index}.{n % 250 + 2}"
+            if self.config.pod_network == "netns":
+                return self._take(n)
         third = (self.config.ip_block + n // 250) % 256
         return f"127.{self.spec.index + 1}.{third}.{n % 250 + 1}"
+
+    def _take(self, n: int) -> str:
+        prefix = f"10.{self.config.ip_block + 1}.{self.spec.index}."
+        for i in range(n, n + HOSTS):
+            ip = f"{prefix}{i % HOSTS + 2}"
+            if ip not in self._taken:
+                self._next_ip = i + 1
+                self._taken.add(ip)
+                return ip
+        raise NetworkError(f"node {self.spec.name}: all {HOSTS} pod addresses {prefix}* taken")
+
+    def release_ip(self, ip: str) -> None:
+        with self._lock:
+            self._taken.discard(ip)
 
     def take_gpus(self, count: int) -> list[int]:
         with self._lock:

@@ -99,6 +99,7 @@ class PodWorker:
             self._release_gpus()
             if self.network is not None:
                 self.network.down()
+            self.node.release_ip(self.pod_ip)
             (self.dir / ".done").touch()
 
     def _release_gpus(self) -> None:
@@ -113,19 +114,12 @@ class PodWorker:
         return bool(self._pod_now()["metadata"].get("deletionTimestamp"))
 
     def _lifecycle(self) -> None:
-        host_network = self._pod_now()["spec"].get("hostNetwork", False)
-        self.pod_ip = "127.0.0.1" if host_network else self.node.allocate_ip()
-        if not host_network and self.node.config.pod_network == "netns":
-            tag = netns.cluster_tag(self.node.config.run_dir)
-            self.network = PodNetwork(tag, self.uid, self.pod_ip, self.name, self.dir)
-            try:
-                self.network.up()
-            except NetworkError as err:
-                for c in self.init_containers + self.containers:
-                    c.waiting = ("CreatePodSandboxError", str(err)[:300])
-                log.warning("pod %s: no network namespace: %s", self.key, err)
-                self._report()
-                return self._finish()
+        if self._pod_now()["spec"].get("hostNetwork", False):
+            self.pod_ip = "127.0.0.1"
+        elif self.node.config.pod_network != "netns":
+            self.pod_ip = self.node.allocate_ip()
+        elif not self._sandbox():
+            return self._finish()
         self._report()
         env_base = self._prepare()
         if env_base is None:
@@ -146,6 +140,28 @@ class PodWorker:
     def _sleep(self) -> None:
         self._wake.wait(TICK)
         self._wake.clear()
+
+    def _sandbox(self) -> bool:
+        """The pod's address and network namespace, retried every second, as a kubelet
+        retries a pod's sandbox, until made (True) or the pod goes (False)."""
+        tag = netns.cluster_tag(self.node.config.run_dir)
+        containers = self.init_containers + self.containers
+        while not self._gone.is_set() and not self._terminating():
+            try:
+                self.pod_ip = self.pod_ip or self.node.allocate_ip()
+                self.network = PodNetwork(tag, self.uid, self.pod_ip, self.name, self.dir)
+                self.network.up()
+                for c in containers:
+                    c.waiting = ("ContainerCreating", "")
+                return True
+            except NetworkError as err:
+                for c in containers:
+                    c.waiting = ("CreatePodSandboxError", str(err)[:300])
+                log.warning("pod %s: no network namespace: %s", self.key, err)
+                self._report()
+                self._wake.wait(1.0)
+                self._wake.clear()
+        return False
 
     def _prepare(self) -> dict[str, str] | None:
         """Token, kubeconfig and base environment; retried until ready or the pod goes."""
@@ -398,8 +414,7 @@ class PodWorker:
             "phase": self.phase,
             "hostIP": "127.0.0.1",
             "hostIPs": [{"ip": "127.0.0.1"}],
-            "podIP": self.pod_ip,
-            "podIPs": [{"ip": self.pod_ip}],
+            **({"podIP": self.pod_ip, "podIPs": [{"ip": self.pod_ip}]} if self.pod_ip else {}),
             "startTime": self.start_time,
             "conditions": [
                 self._condition("PodReadyToStartContainers", not terminal),
