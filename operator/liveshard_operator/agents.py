@@ -28,6 +28,8 @@ from .messages import to_proto
 
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 FAN_OUT = 32  # agent calls of one pass in flight at once
+# The operator knows every world's layout: an agent's answer leaves its own out.
+_STATUS = pb.GetStatusRequest(omit_layout=True)
 T = TypeVar("T")
 
 
@@ -96,11 +98,11 @@ class AgentClient:
             raise AgentError(self.member, err.code(), err.details() or "") from None
 
     def status(self) -> pb.AgentStatus:
-        return self._call("GetStatus", pb.GetStatusRequest())  # type: ignore[return-value]
+        return self._call("GetStatus", _STATUS)  # type: ignore[return-value]
 
     def pod_status(self) -> pb.PodStatus:
         """The status of every member of this member's pod, in one call."""
-        return self._call("GetPodStatus", pb.GetStatusRequest())  # type: ignore[return-value]
+        return self._call("GetPodStatus", _STATUS)  # type: ignore[return-value]
 
     def watch(self, seconds: float) -> Any:
         """The member's status now, then on every change, for `seconds`: a stream of

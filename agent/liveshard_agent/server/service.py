@@ -94,8 +94,8 @@ class AgentService:
 
     # ---- status ----
 
-    def get_status(self, _: pb.GetStatusRequest, __: Context) -> pb.AgentStatus:
-        return self.board.get().to_proto()
+    def get_status(self, request: pb.GetStatusRequest, __: Context) -> pb.AgentStatus:
+        return self.board.get().to_proto(layout=not request.omit_layout)
 
     def get_pod_status(self, request: pb.GetStatusRequest, context: Context) -> pb.PodStatus:
         """A lone agent's pod holds only it."""

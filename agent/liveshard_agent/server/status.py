@@ -187,7 +187,8 @@ class Snapshot:
         due = [c.number for c in self.claimed(ClaimKind.CHECKPOINT)]
         return max(due) if due else self.observed.checkpoint_due
 
-    def to_proto(self) -> pb.AgentStatus:
+    def to_proto(self, layout: bool = True) -> pb.AgentStatus:
+        """The status as the API sends it; without the world's layout unless `layout`."""
         seen = self.observed
         status = pb.AgentStatus(
             member=self.member, phase=self.phase.value, ready=self.ready, epoch=seen.epoch,
@@ -196,7 +197,7 @@ class Snapshot:
             state_bytes=seen.state_bytes, mirrored_bytes=seen.mirrored_bytes,
             exchange_seconds=seen.exchange_seconds,
         )  # fmt: skip
-        if seen.layout is not None:
+        if layout and seen.layout is not None:
             status.layout.CopyFrom(layout_to_proto(seen.layout))
         pending = self.pending
         if pending is not None:

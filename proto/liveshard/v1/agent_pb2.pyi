@@ -61,8 +61,10 @@ class Deadlines(_message.Message):
     def __init__(self, op_seconds: _Optional[float] = ..., switch_seconds: _Optional[float] = ..., prepare_seconds: _Optional[float] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("omit_layout",)
+    OMIT_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    omit_layout: bool
+    def __init__(self, omit_layout: _Optional[bool] = ...) -> None: ...
 
 class WatchStatusRequest(_message.Message):
     __slots__ = ()

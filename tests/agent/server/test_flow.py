@@ -113,6 +113,9 @@ def test_a_job_grows_shrinks_aborts_checkpoints_and_drains(
     for agent in (a0, a1):
         status = trains(agent, 2)
         assert status.epoch == 0 and status.layout == first and status.ready
+    # The operator's request leaves the layout out, and only the layout.
+    brief = a0.call("GetStatus", pb.GetStatusRequest(omit_layout=True))
+    assert not brief.HasField("layout") and (brief.epoch, brief.phase) == (0, Phase.TRAINING)
     assert a2.status().phase == Phase.STANDBY
     steps = Statuses(a0)
 
