@@ -18,13 +18,13 @@ from typing import Any, TypeVar
 
 import grpc
 
+from liveshard.layouts import to_message
 from liveshard.v1 import agent_pb2 as pb
 from liveshard.v1 import agent_pb2_grpc as pb_grpc
 from liveshard_core.errors import LiveshardError
 from liveshard_core.job import MEMBER_KEY
 
 from .actions import Prepare
-from .messages import to_proto
 
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 FAN_OUT = 32  # agent calls of one pass in flight at once
@@ -143,7 +143,7 @@ def prepare_request(prepare: Prepare) -> pb.PrepareRequest:
     """The PrepareRequest of `prepare` (its member is not in it: the call's metadata names it)."""
     request = pb.PrepareRequest(
         epoch=prepare.epoch, store=pb.StoreAddress(host=prepare.store[0], port=prepare.store[1]),
-        to=to_proto(prepare.to), lost=prepare.lost, budget_bytes=prepare.budget,
+        to=to_message(prepare.to), lost=prepare.lost, budget_bytes=prepare.budget,
         restore_from=prepare.restore_from, pods=dict(prepare.pods),
         deadlines=pb.Deadlines(
             op_seconds=prepare.deadlines.op, switch_seconds=prepare.deadlines.switch,
@@ -151,5 +151,5 @@ def prepare_request(prepare: Prepare) -> pb.PrepareRequest:
         ),
     )  # fmt: skip
     if prepare.old is not None:
-        getattr(request, "from").CopyFrom(to_proto(prepare.old))
+        getattr(request, "from").CopyFrom(to_message(prepare.old))
     return request

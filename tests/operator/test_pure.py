@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 from liveshard_operator import conditions, policy, render
-from liveshard_operator.messages import to_proto
 from liveshard_operator.spec import JobSpec, parse_quantity
 from liveshard_operator.world import World
 
+from liveshard.layouts import to_message
 from liveshard_core.errors import InvalidInput
 from liveshard_core.job import Deadlines, JobConfig
 from tests.operator.values import BODY
@@ -242,11 +242,11 @@ def test_snapshots_mirror_zero_shards_wherever_a_layout_can() -> None:
     # The record in the job's status keeps it, and so do the agents' layouts.
     world = World.of(3, four.layout(model, ["a", "b", "c", "d"]))
     assert World.from_dict(world.to_dict()) == world and world.to_dict()["mirror"] is True
-    assert to_proto(world.layout(model)).mirror
+    assert to_message(world.layout(model)).mirror
     held_once = policy.choose(model, off, 4).degrees.layout(model, ["a", "b", "c", "d"])
     # Written as false, not left out: the status is merge-patched, and a world that stops being
     # mirrored (a drain to dp=1) must not keep the last one's true.
-    assert World.of(3, held_once).to_dict()["mirror"] is False and not to_proto(held_once).mirror
+    assert World.of(3, held_once).to_dict()["mirror"] is False and not to_message(held_once).mirror
     with pytest.raises(InvalidInput, match=r"spec.faultTolerance.snapshots='yes' must be true"):
         JobSpec.parse({**body, "faultTolerance": {"snapshots": "yes"}})
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 
+from liveshard.layouts import to_message
 from liveshard.v1 import agent_pb2 as pb
 from liveshard_core.job import Cause, Result
 from liveshard_core.layout.layout import Layout
@@ -198,7 +199,7 @@ class Snapshot:
             exchange_seconds=seen.exchange_seconds,
         )  # fmt: skip
         if layout and seen.layout is not None:
-            status.layout.CopyFrom(layout_to_proto(seen.layout))
+            status.layout.CopyFrom(to_message(seen.layout))
         pending = self.pending
         if pending is not None:
             status.pending.CopyFrom(
@@ -228,13 +229,6 @@ class Snapshot:
         if self.costs is not None:
             status.costs.CopyFrom(self.costs.to_proto())
         return status
-
-
-def layout_to_proto(layout: Layout) -> pb.Layout:
-    return pb.Layout(
-        dp=layout.dp, tp=layout.tp, pp=layout.pp, ep=layout.ep, zero=layout.zero,
-        pp_layers=list(layout.pp_layers), members=list(layout.members), mirror=layout.mirror,
-    )  # fmt: skip
 
 
 class StatusBoard:
