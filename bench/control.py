@@ -22,7 +22,9 @@ For each size, in one run:
   step times of it are the step boundary, which a real job waits for too) and the commit seen;
   its parts (`parts_seconds`): until the last agent took its Prepare, then until the last
   member obeyed it (at its next step boundary), then until every member said it was prepared
-  (after the step that follows), and from the switch step to the commit recorded;
+  (after the step that follows), and from the switch step to the commit recorded. On a machine
+  too loaded for the members to keep their clock, the switch step recorded may be one whose
+  time is past (`behind_the_clock_seconds`): its wait is then none;
 - the operator's memory: its process's peak resident set, against before the job.
 
 Passes run as the operator's job loop runs them: at once when the job or one of its pods
@@ -415,8 +417,12 @@ def one_size(members: int, step_seconds: float, per_pod: int = 1) -> dict[str, A
             if change is out["start"]:
                 continue
             obeyed, ready, switch = agreed[change["epoch"]]
-            change["step_boundary_wait_seconds"] = round(switch - ready, 3)
-            change["control_seconds"] = round(change["seconds"] - (switch - ready), 3)
+            # A member that records the switch step more than two steps behind the members'
+            # clock (a loaded machine) records a step whose time is past: it waits for none.
+            wait = max(0.0, switch - ready)
+            change["step_boundary_wait_seconds"] = round(wait, 3)
+            change["control_seconds"] = round(change["seconds"] - wait, 3)
+            change["behind_the_clock_seconds"] = round(max(0.0, ready - switch), 3)
             # Where the control overhead goes: until the last agent took its Prepare, then until
             # the last member obeyed it (at its next step boundary), from then until every
             # member said it was prepared (each says so after its next step), and from the
@@ -425,7 +431,7 @@ def one_size(members: int, step_seconds: float, per_pod: int = 1) -> dict[str, A
                 "prepares_taken": round(prepared - began, 3),
                 "prepares_obeyed": round(obeyed - prepared, 3),
                 "all_said_prepared": round(ready - obeyed, 3),
-                "commit_seen": round(began + change["seconds"] - switch, 3),
+                "commit_seen": round(began + change["seconds"] - max(switch, ready), 3),
             }
         rss_after = _rss()
     finally:
