@@ -16,11 +16,13 @@ Needs root and the ``ip``, ``nsenter``, ``unshare`` and ``mount`` tools (iproute
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import os
 import shutil
 import subprocess
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 from pyroute2.nftables.main import NFTables
@@ -69,6 +71,16 @@ def unavailable() -> str:
     return ""
 
 
+@contextlib.contextmanager
+def _forwarding() -> Iterator[None]:
+    """Held while a pod's namespace is made and forwarding turned on, and while forwarding is
+    put back, by every cluster of this host: a namespace made meanwhile is never left without."""
+    FORWARDING_BEFORE.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{FORWARDING_BEFORE}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def enable_forwarding() -> None:
     """The host forwards between pods (the routed network's one host-wide switch). The first
     to turn it on keeps what it was in :data:`FORWARDING_BEFORE`, for :func:`restore_forwarding`."""
@@ -82,12 +94,13 @@ def enable_forwarding() -> None:
 
 def restore_forwarding() -> None:
     """The host's forwarding as it was before pods had namespaces, once none has (of any
-    cluster: each pod turns it on again after making its namespace)."""
-    pods = NETNS_DIR.is_dir() and any(e.name.startswith("ls-") for e in NETNS_DIR.iterdir())
-    if FORWARDING_BEFORE.exists() and not pods:
-        with contextlib.suppress(OSError):
-            FORWARDING.write_text(FORWARDING_BEFORE.read_text())
-            FORWARDING_BEFORE.unlink()
+    cluster: each pod turns it on again as it makes its namespace)."""
+    with _forwarding():
+        pods = NETNS_DIR.is_dir() and any(e.name.startswith("ls-") for e in NETNS_DIR.iterdir())
+        if FORWARDING_BEFORE.exists() and not pods:
+            with contextlib.suppress(OSError):
+                FORWARDING.write_text(FORWARDING_BEFORE.read_text())
+                FORWARDING_BEFORE.unlink()
 
 
 class PodNetwork:
@@ -104,8 +117,9 @@ class PodNetwork:
         """Makes the namespace and wires it; what a half-made one left is removed first."""
         self.down()
         self.hosts_file.write_text(f"127.0.0.1 localhost\n{self.ip} {self.hostname}\n")
-        self.pair()
-        enable_forwarding()  # after the namespace is there for `restore_forwarding` to see
+        with _forwarding():  # the namespace is there for `restore_forwarding` to see
+            self.pair()
+            enable_forwarding()
         _ip("addr", "add", f"{GATEWAY}/32", "dev", self.host_end)
         _ip("link", "set", self.host_end, "up")
         _ip("route", "add", f"{self.ip}/32", "dev", self.host_end)
