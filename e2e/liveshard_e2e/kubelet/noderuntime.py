@@ -38,16 +38,17 @@ class NodeRuntime:
         of namespaces, the next free 10.<cluster's ip_block + 1>.<node index>.<2 to 254>,
         taken until :meth:`release_ip` (:class:`NetworkError` when all are)."""
         with self._lock:
+            if self.config.pod_network == "netns":
+                return self._take()
             n = self._next_ip
             self._next_ip += 1
-            if self.config.pod_network == "netns":
-                return self._take(n)
         third = (self.config.ip_block + n // 250) % 256
         return f"127.{self.spec.index + 1}.{third}.{n % 250 + 1}"
 
-    def _take(self, n: int) -> str:
+    def _take(self) -> str:
+        """The first free address from the one after the last taken (the lock held)."""
         prefix = f"10.{self.config.ip_block + 1}.{self.spec.index}."
-        for i in range(n, n + HOSTS):
+        for i in range(self._next_ip, self._next_ip + HOSTS):
             ip = f"{prefix}{i % HOSTS + 2}"
             if ip not in self._taken:
                 self._next_ip = i + 1
