@@ -14,7 +14,8 @@ import subprocess
 import threading
 import time
 import urllib.request
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from liveshard_e2e.kubelet import netns
 from liveshard_e2e.kubelet.config import pod_dir
@@ -27,6 +28,7 @@ from liveshard_e2e.kubelet.runtime import Container, now_rfc3339
 from liveshard_e2e.rest import ApiError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 TICK = 0.1
 
@@ -142,37 +144,40 @@ class PodWorker:
         self._wake.clear()
 
     def _sandbox(self) -> bool:
-        """The pod's address and network namespace, retried every second, as a kubelet
-        retries a pod's sandbox, until made (True) or the pod goes (False)."""
+        """The pod's address and network namespace (True), or False if the pod went first."""
         tag = netns.cluster_tag(self.node.config.run_dir)
-        containers = self.init_containers + self.containers
-        while not self._gone.is_set() and not self._terminating():
-            try:
-                self.pod_ip = self.pod_ip or self.node.allocate_ip()
-                self.network = PodNetwork(tag, self.uid, self.pod_ip, self.name, self.dir)
-                self.network.up()
-                for c in containers:
-                    c.waiting = ("ContainerCreating", "")
-                return True
-            except NetworkError as err:
-                for c in containers:
-                    c.waiting = ("CreatePodSandboxError", str(err)[:300])
-                log.warning("pod %s: no network namespace: %s", self.key, err)
-                self._report()
-                self._wake.wait(1.0)
-                self._wake.clear()
-        return False
+
+        def make() -> bool:
+            self.pod_ip = self.pod_ip or self.node.allocate_ip()
+            self.network = PodNetwork(tag, self.uid, self.pod_ip, self.name, self.dir)
+            self.network.up()
+            for c in self.init_containers + self.containers:
+                c.waiting = ("ContainerCreating", "")
+            return True
+
+        made = self._retried(make, (NetworkError,), "CreatePodSandboxError", "no network namespace")
+        return made is not None
 
     def _prepare(self) -> dict[str, str] | None:
-        """Token, kubeconfig and base environment; retried until ready or the pod goes."""
+        """Token, kubeconfig and base environment, or None if the pod went first."""
+        return self._retried(
+            self._credentials, (ApiError, EnvError), "CreateContainerConfigError",
+            "not ready to start",
+        )  # fmt: skip
+
+    def _retried(self, attempt: Callable[[], T], errors: tuple[type[Exception], ...], reason: str,
+                 what: str) -> T | None:  # fmt: skip
+        """`attempt()`, retried every second as a kubelet retries a pod's sandbox and its
+        containers' configuration, until it returns or the pod goes (None); meanwhile every
+        container waits with `reason` and the error."""
         while not self._gone.is_set() and not self._terminating():
             try:
-                return self._credentials()
-            except (ApiError, EnvError) as err:
+                return attempt()
+            except errors as err:
                 for c in self.init_containers + self.containers:
-                    c.waiting = ("CreateContainerConfigError", str(err)[:300])
+                    c.waiting = (reason, str(err)[:300])
+                log.warning("pod %s: %s: %s", self.key, what, err)
                 self._report()
-                log.info("pod %s: not ready to start: %s", self.key, err)
                 self._wake.wait(1.0)
                 self._wake.clear()
         return None
