@@ -260,6 +260,38 @@ def test_the_kernel_drops_what_egress_rules_do_not_admit_to_pods_and_to_the_host
         assert connect(a, c, 7000) == "unreachable"
 
 
+WRITE = """
+import sys
+for path in sys.argv[1:]:
+    try:
+        open(path, "w").close()
+        print(path, "written")
+    except OSError as err:
+        print(path, err.strerror)
+"""
+
+
+def test_a_read_only_root_leaves_only_the_volumes_mount_paths_writable(
+    three: tuple[str, dict[str, netns.PodNetwork]], tmp_path: Path
+) -> None:
+    a = three[1]["a"]
+    volume, elsewhere = tmp_path / "volume", tmp_path / "elsewhere"
+    volume.mkdir()
+    files = [str(volume / "f"), str(elsewhere), str(tmp_path / "not-mounted" / "g")]
+
+    def written(writable: list[str] | None) -> list[str]:
+        argv = a.wrap([sys.executable, "-c", WRITE, *files[:2]], writable)
+        out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+        return [line.split(" ", 1)[1] for line in out.splitlines()]
+
+    # A mount path that is no directory here is left out, as every other path.
+    assert written([str(volume), files[2]]) == ["written", "Read-only file system"]
+    assert not elsewhere.exists() and (volume / "f").exists()
+    # The host's root stays writable, and so is a pod's without a read-only root.
+    (tmp_path / "host").touch()
+    assert written(None) == ["written", "written"]
+
+
 def test_a_nodes_pod_addresses_are_taken_in_turn_and_reused_once_released() -> None:
     config = KubeletConfig("/run", "", 0, "", 0, "", "", (), ip_block=7, pod_network="netns")
     node = NodeRuntime(config, NodeSpec("n", 3), cast(Rest, None), {})  # no API calls

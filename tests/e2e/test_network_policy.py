@@ -1,8 +1,8 @@
 """A job's NetworkPolicy enforced, on a local cluster whose pods have network namespaces of
 their own and whose policies the kernel applies (``pod_network="netns"``, docs/cluster.md): the
-job's workers reach each other, the operator reaches their agents, and any other pod is kept
-from the agents' port while it still reaches what the policy leaves open, unless a policy on
-its own egress keeps it from that."""
+job's workers reach each other (and train under a read-only root filesystem), the operator
+reaches their agents, and any other pod is kept from the agents' port while it still reaches
+what the policy leaves open, unless a policy on its own egress keeps it from that."""
 
 from __future__ import annotations
 
@@ -57,6 +57,11 @@ def test_a_jobs_policy_keeps_other_pods_from_its_agents_and_lets_its_workers_and
         pods = list(members(kube).values())
         ips = {p["status"]["podIP"] for p in pods}
         assert len(ips) == 2 and not any(ip.startswith("127.") for ip in ips)
+        # They train with the chart's read-only root filesystem, /tmp (a volume's) writable.
+        for p in pods:
+            agent_container = p["spec"]["containers"][0]
+            assert agent_container["securityContext"]["readOnlyRootFilesystem"] is True
+            assert {"/tmp"} == {m["mountPath"] for m in agent_container["volumeMounts"]}
         pod = pods[0]
         agent = f"{pod['status']['podIP']}:{pod_port(pod, 'agent')}"
         scrape = f"{pod['status']['podIP']}:{pod_port(pod, 'metrics')}"

@@ -8,7 +8,10 @@ pods so crosses the host's forward path, where the cluster's NetworkPolicies are
 (:mod:`liveshard_e2e.kubelet.netpol`); the host itself (probes, tests) always reaches its pods,
 as Kubernetes wants of a node. A container runs in its pod's namespace under a hostname of its
 own, the pod's name, which its ``/etc/hosts`` maps to the pod IP, as a kubelet's does: libraries
-that bind to the host name's address (gloo) bind to the pod's.
+that bind to the host name's address (gloo) bind to the pod's. A container whose
+``securityContext.readOnlyRootFilesystem`` is set sees the root filesystem read-only, in a mount
+namespace of its own, but for its volumes' mount paths (volumes are otherwise not mounted: such
+a path stays the host's directory, writable).
 
 Needs root and the ``ip``, ``nsenter``, ``unshare`` and ``mount`` tools (iproute2, util-linux).
 """
@@ -19,10 +22,11 @@ import contextlib
 import fcntl
 import functools
 import os
+import shlex
 import shutil
 import subprocess
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from pyroute2.nftables.main import NFTables
@@ -140,14 +144,20 @@ class PodNetwork:
         """Removes the namespace; its veth pair and the host's route to it go with it."""
         remove(self.namespace)
 
-    def wrap(self, argv: list[str]) -> list[str]:
+    def wrap(self, argv: list[str], writable: Sequence[str] | None = None) -> list[str]:
         """``argv`` run in the pod's namespace with the pod's hostname and ``/etc/hosts`` (the
-        same process: each tool execs the next)."""
-        script = 'hostname "$1" && mount --bind "$2" /etc/hosts && shift 2 && exec "$@"'
+        same process: each tool execs the next). With ``writable`` (a container's
+        ``readOnlyRootFilesystem``), the root filesystem is read-only there but for those
+        directories (its volumes' mount paths that exist here), which stay the host's."""
+        script = 'hostname "$1" && mount --bind "$2" /etc/hosts && shift 2'
+        if writable is not None:
+            for path in (p for p in writable if os.path.isdir(p)):
+                script += f" && mount --bind {shlex.quote(path)} {shlex.quote(path)}"
+            script += " && mount -o remount,bind,ro /"
         return [
             "nsenter", f"--net={NETNS_DIR / self.namespace}", "--",
             "unshare", "--uts", "--mount", "--propagation", "private", "--",
-            "sh", "-c", script, "sh", self.hostname, str(self.hosts_file), *argv,
+            "sh", "-c", f'{script} && exec "$@"', "sh", self.hostname, str(self.hosts_file), *argv,
         ]  # fmt: skip
 
 

@@ -7,6 +7,7 @@ written by others (``PodScheduled``, ``DisruptionTarget``) survive; a terminal p
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import signal
@@ -236,7 +237,7 @@ class PodWorker:
             ids = ",".join(str(i) for i in self._gpus[-wanted:]) if wanted else ""
             env.setdefault("CUDA_VISIBLE_DEVICES", ids)
             env.setdefault("NVIDIA_VISIBLE_DEVICES", ids or "void")
-            c.start(self._wrap(argv), env)
+            c.start(self._wrap(argv, c), env)
             return True
         except (EnvError, ApiError, OSError) as err:
             kind = "RunContainerError" if isinstance(err, OSError) else "CreateContainerConfigError"
@@ -248,9 +249,15 @@ class PodWorker:
             log.exception("pod %s: container %s cannot start", self.key, c.name)
             return False
 
-    def _wrap(self, argv: list[str]) -> list[str]:
-        """``argv`` as run in the pod's network namespace, where it has one."""
-        return argv if self.network is None else self.network.wrap(argv)
+    def _wrap(self, argv: list[str], c: Container) -> list[str]:
+        """``argv`` as run in the pod's network namespace, where it has one (with the container's
+        read-only root filesystem, if it asks for one: `PodNetwork.wrap`)."""
+        if self.network is None:
+            return argv
+        if not (c.spec.get("securityContext") or {}).get("readOnlyRootFilesystem"):
+            return self.network.wrap(argv)
+        mounts = c.spec.get("volumeMounts") or []
+        return self.network.wrap(argv, [m["mountPath"] for m in mounts if not m.get("readOnly")])
 
     def _run_init(self, c: Container, env_base: dict[str, str]) -> bool:
         """Runs an init container to success; False when the pod must stop (failure with
@@ -284,7 +291,8 @@ class PodWorker:
         for kind, tracker in checks:
             if not tracker.due(now) or tracker.probe is None:
                 continue
-            tracker.record(run_probe(tracker.probe, c.spec, self.pod_ip, c.env, self._wrap), now)
+            wrap = functools.partial(self._wrap, c=c)
+            tracker.record(run_probe(tracker.probe, c.spec, self.pod_ip, c.env, wrap), now)
             if tracker.failed and kind != "readiness":
                 log.info("pod %s: container %s failed its %s probe", self.key, c.name, kind)
                 c.signal(signal.SIGKILL)
