@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import time
 from dataclasses import dataclass, replace
 from typing import Any, assert_never
 
@@ -46,6 +47,10 @@ from .kube import ApiError, Events, Kube
 from .spec import JobSpec
 
 log = logging.getLogger(__name__)
+# Seconds a pass trusts the last check of the job's own objects (`Executor.ensure_objects`)
+# while the job's spec and CA-rotation annotation stay as they were: in between, a pass asks the
+# API server nothing about them.
+RECHECK = 10.0
 # The actions of a decision's `after` that go to agents, which the executor sends at once.
 _AGENT_CALLS = (Prepare, ReleaseMember, CommitOn)
 
@@ -84,13 +89,33 @@ class Executor:
             kube, namespace, name, events, clients, options.cert_manager,
             options.cert_manager_issuer,
         )  # fmt: skip
+        # What the last check of the job's objects was made for, and when (`ensure_objects`).
+        self._checked: tuple[Any, ...] | None = None
+        self._checked_at = 0.0
+        self._token: str | None = None
 
     def ensure_objects(self, job: dict[str, Any], spec: JobSpec) -> None:
         """The job's token and TLS Secrets (or cert-manager's objects), PodDisruptionBudget,
         NetworkPolicy (with `options.isolation`; kept up to date) and (gang scheduled) PodGroup,
-        created when missing. InvalidInput when the job asks for gang scheduling and the cluster
-        has no PodGroup kind; CertificatesPending while cert-manager has not issued its
-        Secrets."""
+        created when missing, and the certificates renewed when due. InvalidInput when the job
+        asks for gang scheduling and the cluster has no PodGroup kind; CertificatesPending while
+        cert-manager has not issued its Secrets. Checked once every `RECHECK` seconds, and at
+        once when the job (its uid), its spec (generation) or the CA rotation it asks for
+        changed, or a Secret was patched since: an object deleted or edited by hand is so put
+        back within that time."""
+        metadata = job["metadata"]
+        key = (metadata.get("uid"), metadata.get("generation"),
+               render.annotation(job, render.ROTATE_CA))  # fmt: skip
+        now = time.monotonic()
+        fresh = now < self._checked_at + RECHECK and not self.certificates.patched
+        if fresh and self._checked == key:
+            return
+        self._checked, self._token = None, None
+        self.certificates.patched = False
+        self._ensure_objects(job, spec)
+        self._checked, self._checked_at = key, now
+
+    def _ensure_objects(self, job: dict[str, Any], spec: JobSpec) -> None:
         if self.kube.get(self.namespace, "secrets", render.secret_name(self.name)) is None:
             self.kube.create(self.namespace, "secrets", render.token_secret(job))
         self.certificates.ensure(job)
@@ -128,10 +153,13 @@ class Executor:
                 log.warning("job %s: putting its NetworkPolicy back: %s", self.name, err)
 
     def token(self) -> str:
-        """The job's token, which every agent call carries."""
-        secret = self.kube.get(self.namespace, "secrets", render.secret_name(self.name))
-        assert secret is not None  # ensure_objects created it
-        return base64.b64decode(secret["data"][render.TOKEN_KEY]).decode()
+        """The job's token, which every agent call carries (read again after each check of the
+        job's objects)."""
+        if self._token is None:
+            secret = self.kube.get(self.namespace, "secrets", render.secret_name(self.name))
+            assert secret is not None  # ensure_objects created it
+            self._token = base64.b64decode(secret["data"][render.TOKEN_KEY]).decode()
+        return self._token
 
     # The job's resourceVersion as the pass read it (the controller sets it): the status is
     # written over that version only, and a job changed since ends the pass (`kube.Stale`).

@@ -52,6 +52,9 @@ class Certificates:
         self.serving: pki.Pair | None = None  # the workers' serving pair, as `ensure` read it
         self.serving_ca = b""  # and the CA certificates their Secret trusts
         self._client_tls: ClientTls | None = None  # the operator's side, as `ensure` read it
+        # Whether a Secret was patched since `ensure` last read them (`rotate` moves a CA
+        # rotation on): the next pass must read them again.
+        self.patched = False
 
     def ensure(self, job: dict[str, Any]) -> None:
         """The job's CA and certificates: issued once (the operator's Secret first, as it holds
@@ -211,6 +214,7 @@ class Certificates:
         if annotations:
             patch["metadata"] = {"annotations": annotations}
         self.kube.patch(self.namespace, "secrets", secret, patch)
+        self.patched = True
         if reason:
             log.info("job %s: %s", self.name, message)
             try:

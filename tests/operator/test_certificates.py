@@ -10,14 +10,14 @@ import datetime
 from typing import Any
 
 import pytest
-from liveshard_operator import pki, render
-from liveshard_operator.act import Options
+from liveshard_operator import act, pki, render
+from liveshard_operator.act import Executor, Options
 from liveshard_operator.certificates import Certificates
 from liveshard_operator.controller import JobController
 from liveshard_operator.kube import ApiError
 
 from tests.operator.test_act import NOW_PLUS_A_YEAR, Calls, FakeAgent, FakeKube
-from tests.operator.values import BODY, pod, seen, standby
+from tests.operator.values import BODY, job, pod, seen, standby
 
 
 def issued() -> tuple[Calls, FakeKube, Certificates]:
@@ -72,10 +72,19 @@ def test_certificates_are_issued_once_renewed_when_due_and_sent_to_agents_servin
     assert sorted(calls) == [("rotate", "p0", new, 1), ("rotate", "p3", new, 1)]
 
 
+@pytest.mark.parametrize("checked_by", ["certificates", "executor"])
 def test_the_ca_rotates_when_asked_or_due_trusting_both_until_every_agent_serves_the_new(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, checked_by: str
 ) -> None:
     calls, kube, certs = issued()
+    ensure = certs.ensure
+    if checked_by == "executor":  # a pass's check, trusted for long, due at once on a patch
+        monkeypatch.setattr(act, "RECHECK", 3600.0)
+        executor = Executor(kube, "ns", "tiny", lambda *a: calls.append(("event", a[2])), {})  # type: ignore[arg-type]
+        certs = executor.certificates
+
+        def ensure(body: dict[str, Any]) -> None:
+            executor.ensure_objects(body, job().spec)
 
     def secret(name: str) -> dict[str, bytes]:
         return {k: base64.b64decode(v) for k, v in kube.secrets[f"tiny-{name}-tls"]["data"].items()}
@@ -86,7 +95,7 @@ def test_the_ca_rotates_when_asked_or_due_trusting_both_until_every_agent_serves
     def pass_with(*served: str, silent: bool = False) -> list[str]:
         """A pass over agents serving `served` (and a silent one): the events it posted."""
         calls.clear()
-        certs.ensure(annotated)
+        ensure(annotated)
         pods = [pod(f"p{i}", standby(serving_certificate=f)) for i, f in enumerate(served)]
         certs.rotate(annotated, seen(*pods, *([pod("p9", None)] if silent else [])))
         return [c[1] if c[0] == "event" else c[0] for c in calls if c[0] in ("event", "rotate")]
@@ -131,7 +140,8 @@ def test_the_ca_rotates_when_asked_or_due_trusting_both_until_every_agent_serves
     assert pass_with(serving(), serving()) == []
     assert len(pki.certificates(secret("operator")["ca.crt"])) == 1
 
-    # A CA with less than a year left is rotated without being asked.
+    # A CA with less than a year left is rotated without being asked (at the next check).
+    monkeypatch.setattr(act, "RECHECK", 0.0)
     judged_at(monkeypatch, datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=3400))
     assert "CARotationStarted" in pass_with(serving(), serving())
     assert pki.certificates(secret("operator")["ca.crt"])[1] == trusted[0]

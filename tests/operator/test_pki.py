@@ -1,6 +1,7 @@
 """A job's CA and certificates (`pki`), the Secrets that hold them (`render`, `act`): what each
 certificate may be used for, that the workers' Secret holds no CA key, that they are issued once
-and read back by every later pass and every other operator replica."""
+and read back by every later pass and every other operator replica, and how often a pass checks
+them."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import base64
 import datetime as dt
 from typing import Any
 
+import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-from liveshard_operator import pki, render
+from liveshard_operator import act, pki, render
 from liveshard_operator.act import Executor
 from liveshard_operator.kube import ApiError
 
@@ -174,3 +176,46 @@ def test_a_rotations_bundle_holds_two_cas_each_known_by_what_it_signed() -> None
     of_new = pki.serving_pair(new, "tiny", "ns").cert
     assert pki.issued_by(of_new, new.cert) and not pki.issued_by(of_new, old.cert)
     assert not pki.issued_by(of_new, of_new)
+
+
+class Counted(Secrets):
+    """`Secrets` that count the reads, and take patches of their data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def get(self, namespace: str, resource: str, name: str) -> dict[str, Any] | None:
+        self.reads += 1
+        return super().get(namespace, resource, name)
+
+    def patch(self, namespace: str, resource: str, name: str, body: dict[str, Any]) -> None:
+        self.stored[name]["data"].update(body["data"])
+
+
+def test_passes_trust_the_last_check_of_the_jobs_objects_until_it_is_due_or_the_job_changed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    kube = Counted()
+    each = executor(kube)
+    monkeypatch.setattr(act, "RECHECK", 3600.0)
+    each.ensure_objects(BODY, job().spec)
+    token = each.token()
+    reads = kube.reads
+    del kube.stored["tiny-agent-tls"]  # lost meanwhile
+    each.ensure_objects(BODY, job().spec)
+    assert (kube.reads, each.token()) == (reads, token)  # nothing asked
+    assert "tiny-agent-tls" not in kube.stored
+    # Each of these is checked at once: another job of the same name, a spec edited, a CA
+    # rotation asked for.
+    metadata = BODY["metadata"]
+    for changed in ({"uid": "u-2"}, {"generation": metadata["generation"] + 1},
+                    {"annotations": {render.ROTATE_CA: "now"}}):  # fmt: skip
+        body = {**BODY, "metadata": {**metadata, **changed}}
+        each.ensure_objects(body, job().spec)
+        assert "tiny-agent-tls" in kube.stored
+        del kube.stored["tiny-agent-tls"]
+    # And the same job once the check is due.
+    monkeypatch.setattr(act, "RECHECK", 0.0)
+    each.ensure_objects(BODY, job().spec)
+    assert "tiny-agent-tls" in kube.stored and each.token() == token
