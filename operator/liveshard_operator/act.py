@@ -115,6 +115,10 @@ class Executor:
         self._ensure_objects(job, spec)
         self._checked, self._checked_at = key, now
 
+    def recheck(self) -> None:
+        """The next pass checks the job's objects, however recent the last check."""
+        self._checked = None
+
     def _ensure_objects(self, job: dict[str, Any], spec: JobSpec) -> None:
         if self.kube.get(self.namespace, "secrets", render.secret_name(self.name)) is None:
             self.kube.create(self.namespace, "secrets", render.token_secret(job))

@@ -100,6 +100,8 @@ class JobLoop:
                     except Exception as err:  # a failed pass is logged and retried, never fatal
                         log.exception("reconcile of %s/%s failed: %s", self.namespace, self.name,
                                       err)  # fmt: skip
+                else:  # the leader may change the job's objects meanwhile
+                    controller.executor.recheck()
                 controller.wait(self.wake, PERIOD)
         finally:
             if self.gone and leading():

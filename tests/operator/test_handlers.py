@@ -1,7 +1,8 @@
-"""The handlers' job loops (one thread each, no kopf daemon): a standby keeps its loops idle and
-runs them once it leads; a deleted job's loop stops and discards the job's agents, one the
-operator's shutdown stops does not; a loop's own write of a job with a reconfiguration in flight
-does not wake it. The controller is a stand-in that counts its passes.
+"""The handlers' job loops (one thread each, no kopf daemon): a standby keeps its loops idle (its
+controllers to check the job's objects afresh) and runs them once it leads; a deleted job's loop
+stops and discards the job's agents, one the operator's shutdown stops does not; a loop's own
+write of a job with a reconfiguration in flight does not wake it. The controller is a stand-in
+that counts its passes.
 
 The discard itself (a real agent process dropping its state and exiting, whatever it is doing) is
 tested in `tests/agent/server/test_flow.py`, and a deleted job's pods ending at once on the local
@@ -21,14 +22,17 @@ class Passes:
     """A controller that counts its passes; each writes the job's version `written`, quietly
     (`executor.quiet`) when `quiet`."""
 
-    count = 0
+    count = rechecks = 0
     closed = threading.Event()
     discarded: ClassVar[list[str]] = []
     written, quiet = "7", False
 
     def __init__(self, _: Any, namespace: str, name: str, *__: Any) -> None:
         self.name = name
-        self.executor = SimpleNamespace(quiet=None)
+        self.executor = SimpleNamespace(quiet=None, recheck=self.recheck)
+
+    def recheck(self) -> None:
+        Passes.rechecks += 1
 
     def reconcile(self) -> bool:
         Passes.count += 1
@@ -70,6 +74,7 @@ def test_a_standby_runs_no_pass_until_it_leads_and_a_deleted_job_stops_its_loop(
     assert handlers.loop_of("ns", "tiny") is loop  # one loop per job
     threading.Event().wait(0.3)
     assert Passes.count == 0  # a standby watches, but runs no pass
+    assert Passes.rechecks > 0  # and its first pass as leader checks the job's objects afresh
     lease.held = True
     handlers.wake_all()
     for _ in range(50):
