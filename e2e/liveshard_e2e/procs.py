@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -137,11 +138,28 @@ def _reap(pid: int) -> None:
         os.waitpid(pid, os.WNOHANG)
 
 
+EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_BELOW = 8192  # how many ports below the ephemeral range `free_port` picks from
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A TCP port on 127.0.0.1 that is free right now, taken at random below the kernel's
+    ephemeral range, where every connect and every bind to port 0 takes its port: no other
+    process's connection can take it before the server it is for binds it (where the range
+    leaves no room below it, a port the kernel gives)."""
+    try:
+        low = int(EPHEMERAL.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    candidates = [random.randrange(low - _BELOW, low) for _ in range(64)] if low > _BELOW else []
+    for port in [*candidates, 0]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:  # bound, or in TIME_WAIT: another
+                continue
+            return int(sock.getsockname()[1])
+    raise OSError("no free TCP port on 127.0.0.1")
 
 
 def tail(path: Path | str, lines: int = 30) -> str:

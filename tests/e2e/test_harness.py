@@ -1,0 +1,47 @@
+"""The harness's own parts (no cluster needed): its bounded waits (the value awaited, a timeout
+naming what was awaited and what was last seen, the trace a run asks for with
+LIVESHARD_E2E_TRACE) and the free ports its servers take."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from liveshard_e2e import procs
+from liveshard_e2e.waiting import wait_until
+
+
+def test_a_wait_returns_the_value_fails_naming_what_and_traces_each_wait_when_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trace = tmp_path / "waits.log"
+    monkeypatch.setenv("LIVESHARD_E2E_TRACE", str(trace))
+    answers = iter([None, 0, "ready"])
+    assert wait_until(lambda: next(answers), 5, "the thing", interval=0.01) == "ready"
+    with pytest.raises(TimeoutError, match="waiting for never; last state: still not"):
+        wait_until(lambda: None, 0.05, "never", interval=0.01, describe=lambda: "still not")
+    first, second = trace.read_text().splitlines()
+    assert "test_harness.py::test_a_wait_returns" in first and first.endswith(" s the thing")
+    assert second.endswith(" s never (timed out)")
+    monkeypatch.delenv("LIVESHARD_E2E_TRACE")
+    wait_until(lambda: True, 1, "untraced")
+    assert len(trace.read_text().splitlines()) == 2
+
+
+def test_free_ports_are_taken_below_the_ephemeral_range_where_it_leaves_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ranges = tmp_path / "ip_local_port_range"
+    monkeypatch.setattr(procs, "EPHEMERAL", ranges)
+    ranges.write_text("40000\t60999\n")
+    ports = {procs.free_port() for _ in range(20)}
+    assert all(40000 - 8192 <= p < 40000 for p in ports) and len(ports) > 1
+    # One bound meanwhile is never given.
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", ports.pop()))
+        taken = held.getsockname()[1]
+        assert taken not in {procs.free_port() for _ in range(200)}
+    ranges.write_text("1024\t60999\n")  # no room below: the kernel's choice
+    assert 1024 <= procs.free_port() <= 65535
