@@ -35,7 +35,7 @@ from liveshard_core.job import MEMBER_KEY
 from liveshard_e2e.testing import member_pids
 from tests.helpers import OnePod, pod_body
 
-from .agents import AGENT, HOST, TOKEN, WAIT, Agent, agent_env
+from .agents import AGENT, HOST, TOKEN, WAIT, Agent, agent_env, free_port
 
 Code = grpc.StatusCode
 POD = "pod"
@@ -52,9 +52,7 @@ def free_ports(count: int) -> int:
     """The first of `count` consecutive free ports on HOST (the pod's metrics port and its
     members')."""
     for _ in range(100):
-        with socket.socket() as s:
-            s.bind((HOST, 0))
-            first = int(s.getsockname()[1])
+        first = free_port()  # below the ephemeral range: no connection takes the next ones
         try:
             for port in range(first, first + count):
                 with socket.socket() as s:
