@@ -15,22 +15,30 @@ from liveshard_operator import kube
 from liveshard_operator.kube import ApiError, JsonApi
 
 
+class Quiet(BaseHTTPRequestHandler):
+    """A handler that logs nothing and answers with `answer`."""
+
+    def answer(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
 @pytest.fixture
 def server() -> Iterator[tuple[str, list[str]]]:
     """An HTTP server answering `{}` to every GET; the Authorization headers it saw."""
     seen: list[str] = []
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(Quiet):
         def do_GET(self) -> None:
             seen.append(self.headers.get("Authorization", ""))
-            body = json.dumps({}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
+            self.answer(200, json.dumps({}).encode())
 
     httpd = HTTPServer(("127.0.0.1", 0), Handler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
@@ -67,21 +75,14 @@ def test_a_throttled_request_is_sent_again_after_its_retry_after_and_then_fails(
     """An API server that throttles `/busy` twice and `/full` always (429, Retry-After: 0)."""
     sent: list[str] = []
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(Quiet):
         def do_POST(self) -> None:
             self.rfile.read(int(self.headers["Content-Length"]))
             sent.append(self.path)
-            throttled = self.path == "/full" or sent.count(self.path) <= 2
-            body = b'{"reason": "TooManyRequests"}' if throttled else b'{"made": true}'
-            self.send_response(429 if throttled else 201)
-            if throttled:
-                self.send_header("Retry-After", "0")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
+            if self.path == "/full" or sent.count(self.path) <= 2:
+                self.answer(429, b'{"reason": "TooManyRequests"}', {"Retry-After": "0"})
+            else:
+                self.answer(201, b'{"made": true}')
 
     httpd = HTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
