@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlencode
@@ -44,24 +43,6 @@ class ApiError(RuntimeError):
 
 class Stale(ApiError):
     """A 409 on a write conditional on a resourceVersion: the object changed since it was read."""
-
-
-# How often a request the API server throttles (HTTP 429: its priority-and-fairness queues are
-# full) is sent, waiting the Retry-After it names (at most `THROTTLED_WAIT` seconds) between
-# tries, as client-go does, before its ApiError stands. A throttled request was not served, so a
-# write is sent again safely.
-THROTTLED_TRIES = 5
-THROTTLED_WAIT = 5.0
-
-
-def _retry_after(value: str | None) -> float:
-    """The seconds a 429's Retry-After header names (1 when it names none), at most
-    `THROTTLED_WAIT`."""
-    try:
-        seconds = float(value) if value else 1.0
-    except ValueError:  # an HTTP date: not what the API server sends
-        seconds = 1.0
-    return min(max(seconds, 0.0), THROTTLED_WAIT)
 
 
 class JsonApi:
@@ -120,13 +101,9 @@ class JsonApi:
         if body is not None:
             data = json.dumps(body).encode()
             headers["Content-Type"] = content_type
-        for tries in range(1, THROTTLED_TRIES + 1):
-            resp = self.pool.request(
-                method, url, body=data, headers=headers, timeout=timeout or self.timeout
-            )
-            if resp.status != 429 or tries == THROTTLED_TRIES:
-                break
-            time.sleep(_retry_after(resp.headers.get("Retry-After")))
+        resp = self.pool.request(
+            method, url, body=data, headers=headers, timeout=timeout or self.timeout
+        )
         text = resp.data.decode(errors="replace")
         if not 200 <= resp.status < 300:
             raise ApiError(method, path, resp.status, text)
