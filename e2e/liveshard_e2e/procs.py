@@ -140,24 +140,29 @@ def _reap(pid: int) -> None:
 
 EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _BELOW = 8192  # how many ports below the ephemeral range `free_port` picks from
+_given: set[int] = set()  # never handed out twice by this process: a caller may not bind it yet
 
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free right now, taken at random below the kernel's
     ephemeral range, where every connect and every bind to port 0 takes its port: no other
     process's connection can take it before the server it is for binds it (where the range
-    leaves no room below it, a port the kernel gives)."""
+    leaves no room below it, a port the kernel gives). A port is never given twice by one
+    process, so two of its callers never get the same one before either binds it."""
     try:
         low = int(EPHEMERAL.read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 0
     candidates = [random.randrange(low - _BELOW, low) for _ in range(64)] if low > _BELOW else []
     for port in candidates:
+        if port in _given:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:  # bound, or in TIME_WAIT: another
                 continue
+            _given.add(port)
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))

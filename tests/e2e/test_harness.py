@@ -35,9 +35,12 @@ def test_free_ports_are_taken_below_the_ephemeral_range_where_it_leaves_room(
 ) -> None:
     ranges = tmp_path / "ip_local_port_range"
     monkeypatch.setattr(procs, "EPHEMERAL", ranges)
+    monkeypatch.setattr(procs, "_given", set())
     ranges.write_text("40000\t60999\n")
-    ports = {procs.free_port() for _ in range(20)}
-    assert all(40000 - 8192 <= p < 40000 for p in ports) and len(ports) > 1
+    # None is bound here, yet none is given twice (300 draws of 8192 would repeat one).
+    drawn = [procs.free_port() for _ in range(300)]
+    assert all(40000 - 8192 <= p < 40000 for p in drawn) and len(set(drawn)) == len(drawn)
+    ports = set(drawn)
     # One bound meanwhile is never given.
     with socket.socket() as held:
         held.bind(("127.0.0.1", ports.pop()))
