@@ -22,7 +22,7 @@ import kopf
 
 from .act import Options
 from .controller import JobController
-from .kube import Kube
+from .kube import Kube, Throttled
 from .leader import Elector
 from .metrics import Metrics
 from .render import GROUP, JOB_LABEL, PLURAL, VERSION
@@ -92,17 +92,23 @@ class JobLoop:
         try:
             while not self.stopped.is_set():
                 self.wake.clear()
+                period = PERIOD
                 if leading():
                     try:
                         if not controller.reconcile():
                             self.gone = True
                             return
+                    except Throttled as err:  # the pass is retried, no sooner than it asks
+                        period = max(PERIOD, err.retry_after)
+                        log.warning("reconcile of %s/%s throttled by the API server (%s %s); "
+                                    "the next pass in %.0f s", self.namespace, self.name,
+                                    err.method, err.path, period)  # fmt: skip
                     except Exception as err:  # a failed pass is logged and retried, never fatal
                         log.exception("reconcile of %s/%s failed: %s", self.namespace, self.name,
                                       err)  # fmt: skip
                 else:  # the leader may change the job's objects meanwhile
                     controller.executor.recheck()
-                controller.wait(self.wake, PERIOD)
+                controller.wait(self.wake, period)
         finally:
             if self.gone and leading():
                 controller.discard()

@@ -32,7 +32,7 @@ class ApiError(RuntimeError):
     """A non-2xx answer from the API server; `reason` is the Status object's, when it has one."""
 
     def __init__(self, method: str, path: str, status: int, body: str) -> None:
-        self.status = status
+        self.method, self.path, self.status = method, path, status
         self.body = body
         try:
             self.reason = str(json.loads(body).get("reason", ""))
@@ -43,6 +43,18 @@ class ApiError(RuntimeError):
 
 class Stale(ApiError):
     """A 409 on a write conditional on a resourceVersion: the object changed since it was read."""
+
+
+class Throttled(ApiError):
+    """A 429: the API server's priority and fairness queues are full; it asks for no request
+    before `retry_after` seconds (its Retry-After header; 1 s when it gives none)."""
+
+    def __init__(self, method: str, path: str, body: str, retry_after: str | None) -> None:
+        super().__init__(method, path, 429, body)
+        try:
+            self.retry_after = max(float(retry_after or 1), 0.0)
+        except ValueError:  # an HTTP date, which the API server does not send
+            self.retry_after = 1.0
 
 
 class JsonApi:
@@ -105,6 +117,8 @@ class JsonApi:
             method, url, body=data, headers=headers, timeout=timeout or self.timeout
         )
         text = resp.data.decode(errors="replace")
+        if resp.status == 429:
+            raise Throttled(method, path, text, resp.headers.get("Retry-After"))
         if not 200 <= resp.status < 300:
             raise ApiError(method, path, resp.status, text)
         return json.loads(text) if text else None

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 import pytest
 from liveshard_operator import handlers
+from liveshard_operator.kube import Throttled
 
 
 class Passes:
@@ -122,6 +123,43 @@ def test_a_quiet_write_wakes_nothing_and_every_other_change_does(
         assert event(Passes.written) == 1  # nothing in flight: a write wakes the next pass
     finally:
         handlers.job_changed(type="DELETED", name="q", namespace="ns", uid="u-3", body={})
+
+
+class ThrottledOnce(Passes):
+    """A controller whose first pass is throttled (Retry-After: 5 s); it notes each wait asked."""
+
+    waits: ClassVar[list[float]] = []
+
+    def reconcile(self) -> bool:
+        Passes.count += 1
+        if Passes.count == 1:
+            raise Throttled("GET", "/api/v1/namespaces/ns/pods", "{}", "5")
+        return True
+
+    def wait(self, wake: threading.Event, seconds: float) -> None:
+        ThrottledOnce.waits.append(seconds)
+        wake.wait(0.02)
+
+
+def test_a_throttled_pass_is_retried_after_the_wait_asked_with_a_line_not_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(handlers, "JobController", ThrottledOnce)
+    monkeypatch.setattr(handlers, "api", lambda: None)
+    monkeypatch.setattr(handlers, "PERIOD", 0.5)
+    monkeypatch.setattr(Passes, "count", 0)
+    handlers.job_changed(type=None, name="t", namespace="ns", uid="u-4", body={})
+    try:
+        for _ in range(100):
+            if len(ThrottledOnce.waits) >= 2:
+                break
+            threading.Event().wait(0.02)
+    finally:
+        handlers.job_changed(type="DELETED", name="t", namespace="ns", uid="u-4", body={})
+    assert ThrottledOnce.waits[:2] == [5.0, 0.5]  # the wait asked, then the period again
+    (line,) = [r for r in caplog.records if "throttled" in r.getMessage()]
+    assert line.levelname == "WARNING" and line.exc_info is None
+    assert "GET /api/v1/namespaces/ns/pods" in line.getMessage()
 
 
 def test_the_leader_gauge_follows_the_elector() -> None:

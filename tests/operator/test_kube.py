@@ -1,5 +1,6 @@
 """The operator's API client against a real HTTP server: a rotated service-account token is
-presented from the next request on."""
+presented from the next request on; a throttled request raises `Throttled` with the wait the
+server asks for."""
 
 from __future__ import annotations
 
@@ -11,19 +12,23 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
-from liveshard_operator.kube import JsonApi
+from liveshard_operator.kube import JsonApi, Throttled
 
 
 @pytest.fixture
 def server() -> Iterator[tuple[str, list[str]]]:
-    """An HTTP server answering `{}` to every GET; the Authorization headers it saw."""
+    """An HTTP server answering `{}` to every GET, but 429 under /throttled (with the rest of the
+    path as its Retry-After, if any); the Authorization headers it saw."""
     seen: list[str] = []
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             seen.append(self.headers.get("Authorization", ""))
             body = json.dumps({}).encode()
-            self.send_response(200)
+            throttled, _, after = self.path.removeprefix("/").partition("/")
+            self.send_response(429 if throttled == "throttled" else 200)
+            if after:
+                self.send_header("Retry-After", after)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -60,3 +65,13 @@ def test_without_a_token_file_the_given_token_is_presented(server: tuple[str, li
     url, seen = server
     JsonApi(url, token="static").request("GET", "/api")
     assert seen == ["Bearer static"]
+
+
+def test_a_throttled_request_raises_with_the_wait_asked(server: tuple[str, list[str]]) -> None:
+    url, _ = server
+    api = JsonApi(url, token="static")
+    for path, wait in (("/throttled/3", 3.0), ("/throttled", 1.0), ("/throttled/soon", 1.0)):
+        with pytest.raises(Throttled) as caught:
+            api.request("GET", path)
+        assert (caught.value.status, caught.value.retry_after) == (429, wait)
+        assert (caught.value.method, caught.value.path) == ("GET", path)
