@@ -25,7 +25,13 @@ For each size, in one run:
   (after the step that follows), and from the switch step to the commit recorded. On a machine
   too loaded for the members to keep their clock, the switch step recorded may be one whose
   time is past (`behind_the_clock_seconds`): its wait is then none;
-- the operator's memory: its process's peak resident set, against before the job.
+- the operator's memory: its process's peak resident set, against before the job;
+- how busy the machine was (`machine_busy_cores`, from /proc/stat: every process's CPU time,
+  the agents' and the operator's, over the phase's wall time) in the start, the shrink and the
+  growth, and in a few seconds with no pass after the steady passes (`members_alone`): what
+  the members' steps cost the agents by themselves. (The kernel's counters are coarse over
+  less than a second, so the steady passes, back to back, have none.) Near the machine's core
+  count, the figures measure a saturated machine.
 
 Passes run as the operator's job loop runs them: at once when the job or one of its pods
 changed since the last pass began (what its watches wake it for), but for the pass's own write
@@ -71,6 +77,7 @@ from liveshard_e2e.kubelet.env import container_env, decode_secret
 ROOT = Path(__file__).resolve().parents[1]
 NAMESPACE = "bench"
 JOB = "sim"
+ALONE_SECONDS = 4.0  # the window with no pass in which the members' own load is measured
 JOB_PATH = f"/apis/{GROUP}/{VERSION}/namespaces/{NAMESPACE}/{PLURAL}/{JOB}"
 
 
@@ -251,6 +258,7 @@ def until(kube: SimKube, controller: JobController, calls: Calls, members: int,
     but for the pass's own quiet write, else when the member the wait follows has news
     (`sentinel`), else `PERIOD` after it; what it took."""
     requests, agent_calls = Counter(kube.requests), Counter(calls.count)
+    busy = _busy_seconds()
     start, cpu, wall = time.perf_counter(), time.process_time(), time.time()
     passes, pass_seconds, began = 0, [], start
     kube.changed.set()
@@ -277,6 +285,7 @@ def until(kube: SimKube, controller: JobController, calls: Calls, members: int,
         "prepared": calls.returned.get("Prepare", 0.0),  # when the last Prepare was taken
         "seconds": round(time.perf_counter() - start, 3),
         "operator_cpu_seconds": round(time.process_time() - cpu, 3),
+        "machine_busy_cores": _busy_cores(busy, start),
         "passes": passes,
         "pass_seconds_total": round(sum(pass_seconds), 3),
         "pass_seconds_max": round(max(pass_seconds), 3),
@@ -406,6 +415,10 @@ def one_size(members: int, step_seconds: float, per_pod: int = 1) -> dict[str, A
             "api_requests_per_pass": {k: v / 10 for k, v in (kube.requests - requests).items()},
             "agent_calls_per_pass": {k: v / 10 for k, v in (calls.count - agent_calls).items()},
         }
+        busy, began = _busy_seconds(), time.perf_counter()
+        time.sleep(ALONE_SECONDS)
+        out["members_alone"] = {"seconds": ALONE_SECONDS,
+                                "machine_busy_cores": _busy_cores(busy, began)}  # fmt: skip
         smaller = members - _step(members, per_pod)
         kube.scale(smaller // per_pod)
         out["shrink"] = {"to": smaller, **until(kube, controller, calls, smaller, 300)}
@@ -441,6 +454,20 @@ def one_size(members: int, step_seconds: float, per_pod: int = 1) -> dict[str, A
                                "with_the_job": round(rss_after / 2**20, 1)}  # fmt: skip
     out["events"] = dict(events)
     return out
+
+
+def _busy_seconds() -> float:
+    """The CPU seconds every process of the machine has used since it booted (/proc/stat: all
+    but idle and I/O wait)."""
+    with open("/proc/stat") as f:
+        ticks = [int(v) for v in f.readline().split()[1:9]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def _busy_cores(busy_since: float, since: float) -> float:
+    """How many cores were busy, on average, from `busy_since` (`_busy_seconds`) and `since`
+    (`time.perf_counter`) to now."""
+    return round((_busy_seconds() - busy_since) / (time.perf_counter() - since), 2)
 
 
 def _rss() -> int:

@@ -83,6 +83,13 @@ def test_control_benchmark_quick(tmp_path: Path, per_pod: int) -> None:
     # One status call a pass for each pod: its members' statuses together.
     status = "GetStatus" if per_pod == 1 else "GetPodStatus"
     assert size["steady_pass"]["agent_calls_per_pass"] == {status: 8 / per_pod}
+    # The machine's load in each phase: no more than its cores (the counters' granularity
+    # aside); with no pass running, only the members' own steps.
+    cores = os.cpu_count() or 1
+    for phase in (size["start"], size["members_alone"], size["shrink"], size["grow"]):
+        assert 0 <= phase["machine_busy_cores"] <= cores + 0.05, phase
+    assert size["start"]["machine_busy_cores"] > 0
+    assert size["members_alone"]["seconds"] > 0
 
 
 def test_store_benchmark_quick(tmp_path: Path) -> None:
