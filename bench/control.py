@@ -29,9 +29,9 @@ For each size, in one run:
 - how busy the machine was (`machine_busy_cores`, from /proc/stat: every process's CPU time,
   the agents' and the operator's, over the phase's wall time) in the start, the shrink and the
   growth, and in a few seconds with no pass after the steady passes (`members_alone`): what
-  the members' steps cost the agents by themselves. (The kernel's counters are coarse over
-  less than a second, so the steady passes, back to back, have none.) Near the machine's core
-  count, the figures measure a saturated machine.
+  the members' steps cost the agents by themselves. (The counters count 10 ms ticks: too
+  coarse for the steady passes, which last a fraction of a second at small sizes.) Near the
+  machine's core count, the figures measure a saturated machine.
 
 Passes run as the operator's job loop runs them: at once when the job or one of its pods
 changed since the last pass began (what its watches wake it for), but for the pass's own write
