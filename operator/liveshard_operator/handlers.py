@@ -89,8 +89,11 @@ class JobLoop:
         controller = self.controller = JobController(
             api(), self.namespace, self.name, _post_event, METRICS, OPTIONS
         )
+        not_before = 0.0  # a throttled pass's Retry-After: no pass before it, woken or not
         try:
             while not self.stopped.is_set():
+                if self.stopped.wait(max(0.0, not_before - time.monotonic())):
+                    break
                 self.wake.clear()
                 period = PERIOD
                 if leading():
@@ -100,6 +103,7 @@ class JobLoop:
                             return
                     except Throttled as err:  # the pass is retried, no sooner than it asks
                         period = max(PERIOD, err.retry_after)
+                        not_before = time.monotonic() + err.retry_after
                         log.warning("reconcile of %s/%s throttled by the API server (%s %s); "
                                     "the next pass in %.0f s", self.namespace, self.name,
                                     err.method, err.path, period)  # fmt: skip

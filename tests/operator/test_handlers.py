@@ -11,6 +11,7 @@ cluster in `tests/e2e/test_operator.py`."""
 from __future__ import annotations
 
 import threading
+import time
 from types import SimpleNamespace
 from typing import Any, ClassVar
 
@@ -126,14 +127,14 @@ def test_a_quiet_write_wakes_nothing_and_every_other_change_does(
 
 
 class ThrottledOnce(Passes):
-    """A controller whose first pass is throttled (Retry-After: 5 s); it notes each wait asked."""
+    """A controller whose first pass is throttled (Retry-After: 1 s); it notes each wait asked."""
 
     waits: ClassVar[list[float]] = []
 
     def reconcile(self) -> bool:
         Passes.count += 1
         if Passes.count == 1:
-            raise Throttled("GET", "/api/v1/namespaces/ns/pods", "{}", "5")
+            raise Throttled("GET", "/api/v1/namespaces/ns/pods", "{}", "1")
         return True
 
     def wait(self, wake: threading.Event, seconds: float) -> None:
@@ -146,7 +147,7 @@ def test_a_throttled_pass_is_retried_after_the_wait_asked_with_a_line_not_a_trac
 ) -> None:
     monkeypatch.setattr(handlers, "JobController", ThrottledOnce)
     monkeypatch.setattr(handlers, "api", lambda: None)
-    monkeypatch.setattr(handlers, "PERIOD", 0.5)
+    monkeypatch.setattr(handlers, "PERIOD", 0.25)
     monkeypatch.setattr(Passes, "count", 0)
     handlers.job_changed(type=None, name="t", namespace="ns", uid="u-4", body={})
     try:
@@ -156,10 +157,43 @@ def test_a_throttled_pass_is_retried_after_the_wait_asked_with_a_line_not_a_trac
             threading.Event().wait(0.02)
     finally:
         handlers.job_changed(type="DELETED", name="t", namespace="ns", uid="u-4", body={})
-    assert ThrottledOnce.waits[:2] == [5.0, 0.5]  # the wait asked, then the period again
+    assert ThrottledOnce.waits[:2] == [1.0, 0.25]  # the wait asked, then the period again
     (line,) = [r for r in caplog.records if "throttled" in r.getMessage()]
     assert line.levelname == "WARNING" and line.exc_info is None
     assert "GET /api/v1/namespaces/ns/pods" in line.getMessage()
+
+
+class ThrottledThenWoken(Passes):
+    """A controller whose first pass is throttled (Retry-After: 1 s) and whose wait returns at
+    once, as a watch event would end it; it notes when each pass began."""
+
+    began: ClassVar[list[float]] = []
+
+    def reconcile(self) -> bool:
+        ThrottledThenWoken.began.append(time.monotonic())
+        if len(ThrottledThenWoken.began) == 1:
+            raise Throttled("PATCH", "/apis/liveshard.dev/v1/x", "{}", "1")
+        return True
+
+    def wait(self, wake: threading.Event, seconds: float) -> None:
+        pass
+
+
+def test_a_wake_during_a_throttled_wait_does_not_start_a_pass_before_retry_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(handlers, "JobController", ThrottledThenWoken)
+    monkeypatch.setattr(handlers, "api", lambda: None)
+    handlers.job_changed(type=None, name="w", namespace="ns", uid="u-5", body={})
+    try:
+        for _ in range(200):
+            if len(ThrottledThenWoken.began) >= 2:
+                break
+            threading.Event().wait(0.02)
+    finally:
+        handlers.job_changed(type="DELETED", name="w", namespace="ns", uid="u-5", body={})
+    first, second = ThrottledThenWoken.began[:2]
+    assert second - first >= 1.0  # the server's Retry-After, though the wait ended at once
 
 
 def test_the_leader_gauge_follows_the_elector() -> None:
