@@ -8,12 +8,14 @@ signals the whole group: SIGTERM, a grace period, then SIGKILL.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import random
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,14 +143,35 @@ def _reap(pid: int) -> None:
 EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _BELOW = 8192  # how many ports below the ephemeral range `free_port` picks from
 _given: set[int] = set()  # never handed out twice by this process: a caller may not bind it yet
+# A port given is claimed for the giving process's life: a lock on the file's byte at that offset,
+# which the kernel drops when the process ends, so no other process of this user gives it too.
+CLAIMS = Path(tempfile.gettempdir()) / f"liveshard-ports-{os.getuid()}"
+_claims: dict[Path, int] = {}  # the file's descriptor, opened once (closing one drops its locks)
+
+
+def _claim(port: int) -> bool:
+    """Whether `port` is now this process's: no other live process claimed it (where the claims
+    file cannot be opened, every port is)."""
+    try:
+        fd = _claims.get(CLAIMS)
+        if fd is None:
+            fd = _claims[CLAIMS] = os.open(CLAIMS, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        return True
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, port)
+    except OSError:  # another process holds it
+        return False
+    return True
 
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free right now, taken at random below the kernel's
     ephemeral range, where every connect and every bind to port 0 takes its port: no other
     process's connection can take it before the server it is for binds it (where the range
-    leaves no room below it, a port the kernel gives). A port is never given twice by one
-    process, so two of its callers never get the same one before either binds it."""
+    leaves no room below it, a port the kernel gives). A port is never given twice: not by one
+    process, nor by two of one user's processes alive at once (`CLAIMS`), so two callers never
+    get the same one before either binds it."""
     try:
         low = int(EPHEMERAL.read_text().split()[0])
     except (OSError, ValueError, IndexError):
@@ -161,6 +184,8 @@ def free_port() -> int:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:  # bound, or in TIME_WAIT: another
+                continue
+            if not _claim(port):
                 continue
             _given.add(port)
             return port

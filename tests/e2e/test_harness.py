@@ -1,10 +1,12 @@
 """The harness's own parts (no cluster needed): its bounded waits (the value awaited, a timeout
 naming what was awaited and what was last seen, the trace a run asks for with
-LIVESHARD_E2E_TRACE) and the free ports its servers take."""
+LIVESHARD_E2E_TRACE) and the free ports its servers take (never the same to two processes)."""
 
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -48,3 +50,35 @@ def test_free_ports_are_taken_below_the_ephemeral_range_where_it_leaves_room(
         assert taken not in {procs.free_port() for _ in range(200)}
     ranges.write_text("1024\t60999\n")  # no room below: the kernel's choice
     assert 1024 <= procs.free_port() <= 65535
+
+
+_CLAIMANT = """
+import sys
+from pathlib import Path
+from liveshard_e2e import procs
+procs.CLAIMS = Path(sys.argv[1])
+print(procs._claim(int(sys.argv[2])), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_port_another_live_process_was_given_is_not_given_until_it_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    claims, port = tmp_path / "claims", 38000
+    monkeypatch.setattr(procs, "CLAIMS", claims)
+    monkeypatch.setattr(procs, "_claims", {})
+    monkeypatch.setattr(procs, "_given", set())
+    monkeypatch.setattr(procs, "EPHEMERAL", tmp_path / "ip_local_port_range")
+    procs.EPHEMERAL.write_text("40000\t60999\n")
+    monkeypatch.setattr(procs.random, "randrange", lambda *_: port)  # every draw is `port`
+    other = subprocess.Popen(
+        [sys.executable, "-c", _CLAIMANT, str(claims), str(port)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert other.stdout is not None and other.stdout.readline().strip() == "True"
+        assert procs.free_port() != port  # the other's: the kernel's choice instead
+    finally:
+        other.communicate("")
+    assert procs.free_port() == port  # free again once the other ended
