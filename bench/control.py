@@ -29,8 +29,11 @@ For each size, in one run:
 - how busy the machine was (`machine_busy_cores`, from /proc/stat: every process's CPU time,
   the agents' and the operator's, over the phase's wall time) in the start, the shrink and the
   growth, and in a few seconds with no pass after the steady passes (`members_alone`): what
-  the members' steps cost the agents by themselves. (The counters count 10 ms ticks: too
-  coarse for the steady passes, which last a fraction of a second at small sizes.) Near the
+  the members' steps cost the agents by themselves (the counters count 10 ms ticks: too coarse
+  for the steady passes, which last a fraction of a second at small sizes);
+- the job's loop with nothing to do for a few seconds (`idle_loop`): its passes, the operator's
+  CPU and how busy the machine was (a pass's own write of the members' progress wakes nothing,
+  and a long pass is followed by a longer wait: `JobController.wait`). Near the
   machine's core count, the figures measure a saturated machine.
 
 Passes run as the operator's job loop runs them: at once when the job or one of its pods
@@ -61,6 +64,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +74,7 @@ from liveshard_operator import agents
 from liveshard_operator.controller import JobController
 from liveshard_operator.handlers import PERIOD
 from liveshard_operator.kube import ApiError, Kube
+from liveshard_operator.publish import merge_patch
 from liveshard_operator.render import GROUP, PLURAL, VERSION
 
 from liveshard_e2e.kubelet.env import container_env, decode_secret
@@ -78,20 +83,8 @@ ROOT = Path(__file__).resolve().parents[1]
 NAMESPACE = "bench"
 JOB = "sim"
 ALONE_SECONDS = 4.0  # the window with no pass in which the members' own load is measured
+IDLE_SECONDS = 12.0  # the window in which the job's loop runs with nothing to do
 JOB_PATH = f"/apis/{GROUP}/{VERSION}/namespaces/{NAMESPACE}/{PLURAL}/{JOB}"
-
-
-def merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386 JSON merge patch."""
-    if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
-    result = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            result.pop(key, None)
-        else:
-            result[key] = merge_patch(result.get(key), value)
-    return result
 
 
 class SimKube(Kube):
@@ -251,24 +244,16 @@ def training(kube: SimKube, members: int) -> bool:
     return world is not None and len(world["members"]) == members and not seen.get("inFlight")
 
 
-def until(kube: SimKube, controller: JobController, calls: Calls, members: int,
-          limit: float) -> dict[str, Any]:  # fmt: skip
-    """Run passes as the operator's job loop does until a world of `members` is committed:
-    at once when the job or a pod changed since the last pass began (the watch wakes the loop)
-    but for the pass's own quiet write, else when the member the wait follows has news
-    (`sentinel`), else `PERIOD` after it; what it took."""
-    requests, agent_calls = Counter(kube.requests), Counter(calls.count)
-    busy = _busy_seconds()
-    start, cpu, wall = time.perf_counter(), time.process_time(), time.time()
-    passes, pass_seconds, began = 0, [], start
+def loop(kube: SimKube, controller: JobController, more: Callable[[], bool]) -> list[float]:
+    """Run passes as the operator's job loop does while `more()`: at once when the job or a pod
+    changed since the last pass began (the watch wakes the loop) but for the pass's own quiet
+    write, else when the member the wait follows has news (`sentinel`), else `PERIOD` after it
+    (longer after a long pass with nothing in flight: `JobController.wait`); each pass's
+    seconds."""
+    pass_seconds, began = [], time.perf_counter()
     kube.changed.set()
-    while not training(kube, members):
+    while more():
         controller.wait(kube.changed, max(0.0, PERIOD - (time.perf_counter() - began)))
-        if time.perf_counter() - start > limit:
-            job = kube.job()
-            raise RuntimeError(
-                f"no world of {members} after {limit} s: {json.dumps(job.get('status'))[:2000]}"
-            )
         began = time.perf_counter()
         with kube.lock:
             kube.news.clear()
@@ -279,7 +264,27 @@ def until(kube: SimKube, controller: JobController, calls: Calls, members: int,
             if not kube.news:
                 kube.changed.clear()
         pass_seconds.append(time.perf_counter() - began)
-        passes += 1
+    return pass_seconds
+
+
+def until(kube: SimKube, controller: JobController, calls: Calls, members: int,
+          limit: float) -> dict[str, Any]:  # fmt: skip
+    """Run passes as the operator's job loop does (`loop`) until a world of `members` is
+    committed; what it took."""
+    requests, agent_calls = Counter(kube.requests), Counter(calls.count)
+    busy = _busy_seconds()
+    start, cpu, wall = time.perf_counter(), time.process_time(), time.time()
+
+    def more() -> bool:
+        if time.perf_counter() - start > limit:
+            job = kube.job()
+            raise RuntimeError(
+                f"no world of {members} after {limit} s: {json.dumps(job.get('status'))[:2000]}"
+            )
+        return not training(kube, members)
+
+    pass_seconds = loop(kube, controller, more)
+    passes = len(pass_seconds)
     return {
         "began": wall,
         "prepared": calls.returned.get("Prepare", 0.0),  # when the last Prepare was taken
@@ -288,7 +293,7 @@ def until(kube: SimKube, controller: JobController, calls: Calls, members: int,
         "machine_busy_cores": _busy_cores(busy, start),
         "passes": passes,
         "pass_seconds_total": round(sum(pass_seconds), 3),
-        "pass_seconds_max": round(max(pass_seconds), 3),
+        "pass_seconds_max": round(max(pass_seconds, default=0.0), 3),
         "api_requests": dict(kube.requests - requests),
         "agent_calls": dict(calls.count - agent_calls),
         "epoch": record(kube.job())["world"]["epoch"],
@@ -419,6 +424,12 @@ def one_size(members: int, step_seconds: float, per_pod: int = 1) -> dict[str, A
         time.sleep(ALONE_SECONDS)
         out["members_alone"] = {"seconds": ALONE_SECONDS,
                                 "machine_busy_cores": _busy_cores(busy, began)}  # fmt: skip
+        busy, began, cpu = _busy_seconds(), time.perf_counter(), time.process_time()
+        idle = loop(kube, controller, lambda: time.perf_counter() - began < IDLE_SECONDS)
+        out["idle_loop"] = {"seconds": round(time.perf_counter() - began, 3),
+                            "passes": len(idle),
+                            "operator_cpu_seconds": round(time.process_time() - cpu, 3),
+                            "machine_busy_cores": _busy_cores(busy, began)}  # fmt: skip
         smaller = members - _step(members, per_pod)
         kube.scale(smaller // per_pod)
         out["shrink"] = {"to": smaller, **until(kube, controller, calls, smaller, 300)}

@@ -168,9 +168,10 @@ class Executor:
     # The job's resourceVersion as the pass read it (the controller sets it): the status is
     # written over that version only, and a job changed since ends the pass (`kube.Stale`).
     observed: str | None = None
-    # The job's version that the last pass's write made when it left a reconfiguration in
-    # flight: its watch event need not wake the job's loop, whose wait then follows a member of
-    # that reconfiguration (`sentinel`) and wakes when that member has news.
+    # The job's version that the last pass's write made when that write is no news to the
+    # job's loop, whose watch event then wakes nothing: it left a reconfiguration in flight (the
+    # wait follows a member of it, `sentinel`, and wakes when that member has news), or it
+    # changed only the training's progress (`Decision.news`: the step moves all the time).
     quiet: str | None = None
     # Whether a Prepare or a commit the last pass sent failed where the agent may answer later
     # (unavailable, deadline exceeded): the next pass sends it again, after `RESEND`.
@@ -195,7 +196,7 @@ class Executor:
                 self._do(decision, action)
         decision = self._answer(decision)
         written = self.write(decision.status)
-        self.quiet = written if decision.record.in_flight is not None else None
+        self.quiet = written if decision.record.in_flight is not None or not decision.news else None
         calls = [a for a in decision.after if isinstance(a, _AGENT_CALLS)]
         fan_out(lambda action: self._do(decision, action), calls)
         for action in decision.after:

@@ -67,6 +67,12 @@ class Decision:
         executor writes it, the metrics read its phase)."""
         return publish.status(self.job, self.seen, self.record, self.report, self.now)
 
+    @cached_property
+    def news(self) -> bool:
+        """Whether writing `status` changes more of the job's status than the training's
+        progress (`publish.news`)."""
+        return publish.news(self.job.status, self.status)
+
 
 @dataclass
 class Draft:

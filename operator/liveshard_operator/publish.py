@@ -13,6 +13,7 @@ Pure: the time is the pass's, given.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -27,6 +28,10 @@ from .observation import Job, Observation, trains_in
 from .world import InFlight, Record, World
 
 HISTORY = 20  # reconfigurations kept in status.history, the latest last
+# What the status says of the training as it goes, which moves at every step: a write that
+# changes nothing else is no news to the job's loop (`news`).
+PROGRESS_FIELDS = frozenset({"step", "loss", "progress", "stateBytes", "peerExchangeSeconds",
+                             "imbalance"})  # fmt: skip
 PROGRESS = 200  # samples kept in status.progress; every other one dropped when it is full
 # Seconds at least between two samples: passes can come a tenth of a second apart, and a rate
 # over so short a time is mostly the noise of where the steps fall.
@@ -213,6 +218,27 @@ def status(
     costs = measured(seen, world) if world is not None else None
     out["imbalance"] = round(costs.imbalance, 4) if costs is not None else None
     return out
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """`target` as the API server leaves it after the merge patch `patch` (RFC 7386)."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = merge_patch(result.get(key), value)
+    return result
+
+
+def news(before: dict[str, Any], patch: dict[str, Any]) -> bool:
+    """Whether the status patch `patch` changes the status `before` in more than its
+    `PROGRESS_FIELDS`: the job's loop is woken by a write that does (its own pass's), not by one
+    that only says how far the training got, which the next pass reads anyway."""
+    after = merge_patch(before, patch)
+    return any(after.get(k) != before.get(k) for k in {*after, *before} - PROGRESS_FIELDS)
 
 
 def measured(seen: Observation, world: World) -> pb.Costs | None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from liveshard_operator.handlers import PERIOD
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -86,10 +87,15 @@ def test_control_benchmark_quick(tmp_path: Path, per_pod: int) -> None:
     # The machine's load in each phase: no more than its cores (the counters' granularity
     # aside); with no pass running, only the members' own steps.
     cores = os.cpu_count() or 1
-    for phase in (size["start"], size["members_alone"], size["shrink"], size["grow"]):
+    for phase in (size["start"], size["members_alone"], size["idle_loop"], size["shrink"],
+                  size["grow"]):  # fmt: skip
         assert 0 <= phase["machine_busy_cores"] <= cores + 0.05, phase
     assert size["start"]["machine_busy_cores"] > 0
     assert size["members_alone"]["seconds"] > 0
+    # With nothing to do, the loop passes every PERIOD: its own writes of the members' progress
+    # wake it no sooner.
+    idle = size["idle_loop"]
+    assert 1 <= idle["passes"] <= idle["seconds"] / PERIOD + 1, idle
 
 
 def test_store_benchmark_quick(tmp_path: Path) -> None:

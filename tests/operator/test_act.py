@@ -8,6 +8,7 @@ import base64
 import copy
 import datetime
 import threading
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -22,13 +23,14 @@ from liveshard_operator.controller import JobController
 from liveshard_operator.decide import decide
 from liveshard_operator.kube import ApiError, Kube, Stale
 from liveshard_operator.observation import Observation
+from liveshard_operator.publish import merge_patch
 from liveshard_operator.world import Record
 
 from liveshard.v1 import agent_pb2 as pb
 from liveshard_core.job import Deadlines
 from liveshard_core.layout.layout import Layout
-from tests.operator.test_decide import CASES, CHECKPOINTED, TRAINING3, W3, condition
-from tests.operator.values import BODY, NOW, job, pod, seen, standby
+from tests.operator.test_decide import CASES, CHECKPOINTED, J3, TRAINING3, W3, condition
+from tests.operator.values import BODY, NOW, job, pod, seen, standby, training
 
 NOW_PLUS_A_YEAR = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=365)
 
@@ -291,6 +293,37 @@ def test_a_prepare_the_agent_may_take_later_is_sent_again_soon(
     assert waited == [waits]
 
 
+class SlowKube(FakeKube):
+    """An API server that takes 0.1 s to return the job."""
+
+    def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        time.sleep(0.1)
+        return super().get_job(namespace, name)
+
+
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_a_long_pass_with_nothing_in_flight_is_followed_by_a_longer_wait(
+    monkeypatch: pytest.MonkeyPatch, in_flight: bool
+) -> None:
+    # With nothing in flight, the wait is IDLE_STRETCH times the pass at least (a watch event
+    # still ends it); a reconfiguration in flight keeps the wait asked.
+    pods = seen(*(pod(f"p{i}", standby()) for i in range(4)))
+    calls: Calls = []
+    monkeypatch.setattr(controller_module, "observe", lambda *_: pods)
+    body = BODY if in_flight else {**BODY, "spec": {**BODY["spec"], "parallelism": {"tp": 3}}}
+    controller = JobController(SlowKube(calls, body), "ns", "tiny", lambda *_: None)  # type: ignore[arg-type]
+    controller.clients.update({m: FakeAgent(m, calls) for m in pods.pods})  # type: ignore[misc]
+    assert controller.reconcile()
+    assert any(c[0] == "prepare" for c in calls) == in_flight
+    waited: list[float] = []
+    monkeypatch.setattr(controller_module.sentinel, "wait", lambda _w, s, _f: waited.append(s))
+    controller.wait(threading.Event(), 0.2)
+    if in_flight:
+        assert waited == [0.2]
+    else:
+        assert waited[0] >= controller_module.IDLE_STRETCH * 0.1 > 0.2
+
+
 class Changed(FakeKube):
     """The job changed since the pass read it: the status write is refused (409)."""
 
@@ -317,6 +350,22 @@ def test_the_status_is_written_over_the_version_read_and_a_changed_job_ends_the_
         assert any(call[0] == "prepare" for call in kube.calls) is after
         # Written with the reconfiguration in flight: the write's watch event wakes nothing.
         assert controller.executor.quiet == ("written-1" if after else None)
+
+
+def test_a_steady_pass_that_only_moved_the_step_writes_quietly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Its watch event wakes nothing (`JobLoop.own_write`): the next pass comes at the period.
+    body = {**J3.body, "status": {"reconfiguration": Record(world=W3).to_dict()}}
+    kube = FakeKube([], body)
+    controller = JobController(kube, "ns", "tiny", lambda *_: None)  # type: ignore[arg-type]
+    for step, quiet in ((10, None), (14, "written-2"), (15, "written-3")):
+        pods = seen(*(pod(m, training(1, step=step), role="member") for m in W3.members))
+        monkeypatch.setattr(controller_module, "observe", lambda *_, p=pods: p)
+        assert controller.reconcile()
+        (written,) = [c[1] for c in kube.calls if c[0] == "status"][-1:]
+        assert written["step"] == step and controller.executor.quiet == quiet
+        kube.job = {**body, "status": merge_patch(kube.job["status"], written)}
 
 
 def test_the_status_patch_names_the_version_read_and_a_409_on_it_is_stale() -> None:

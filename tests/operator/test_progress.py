@@ -1,7 +1,8 @@
 """The job's progress series (`status.progress`), as the pure decision writes it: a sample for
 each pass whose step advanced at least SAMPLE_SECONDS after the last sample (at once in a new
 layout), its tokens per second from the time since then, every other sample dropped when the
-series is full, and nothing written otherwise."""
+series is full, and nothing written otherwise; and a write that changes only the progress is no
+news to the job's loop."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from dataclasses import replace
 from typing import Any
 
 from liveshard_operator.decide import decide
-from liveshard_operator.publish import PROGRESS, SAMPLE_SECONDS
+from liveshard_operator.publish import PROGRESS, SAMPLE_SECONDS, merge_patch
 from liveshard_operator.world import Record
 
-from tests.operator.values import NOW, job, pod, seen, training, world
+from tests.operator.values import NOW, broken, job, pod, seen, training, world
 
 JOB = job(3)
 WORLD = world(JOB, ["p0", "p1", "p2"], 1)
@@ -80,3 +81,21 @@ def test_the_loss_is_of_a_member_that_trained_a_step() -> None:
     fresh = seen(*(pod(m, joined, role="member") for m in WORLD.members))  # a first world
     out = decide(fresh, Record(world=WORLD), JOB, NOW).status
     assert "loss" not in out and "progress" not in out and out["step"] == 10
+
+
+def test_a_write_that_only_moves_the_progress_is_no_news_and_any_other_change_is() -> None:
+    def steady(step: int, before: dict[str, Any], now: float, last: Any = training) -> Any:
+        agents = [training(1, step=step), training(1, step=step), last(1, step=step)]
+        pods = seen(*(pod(m, a, role="member") for m, a in zip(WORLD.members, agents, strict=True)))
+        return decide(pods, Record(world=WORLD), replace(JOB, body={**JOB.body, "status": before}),
+                      now)  # fmt: skip
+
+    first = steady(10, {}, NOW)
+    assert first.news  # the first status
+    written = merge_patch({}, first.status)
+    again = steady(14, written, NOW + 4)
+    assert again.status["step"] == 14 and len(again.status["progress"]) == 2
+    assert not again.news  # the step, the loss and a sample more: the loop is not woken by it
+    assert not steady(10, written, NOW + 1).news  # nothing changed at all
+    # A member whose world broke: the ready replicas and the conditions change.
+    assert steady(14, written, NOW + 4, broken).news
