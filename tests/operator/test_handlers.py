@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any, ClassVar
 
@@ -126,6 +127,17 @@ def test_a_quiet_write_wakes_nothing_and_every_other_change_does(
         handlers.job_changed(type="DELETED", name="q", namespace="ns", uid="u-3", body={})
 
 
+def run_until(name: str, done: Callable[[], bool], seconds: float = 4.0) -> None:
+    """Run job `name`'s loop until `done()` (or `seconds` passed), then delete the job."""
+    handlers.job_changed(type=None, name=name, namespace="ns", uid=f"u-{name}", body={})
+    try:
+        deadline = time.monotonic() + seconds
+        while not done() and time.monotonic() < deadline:
+            threading.Event().wait(0.02)
+    finally:
+        handlers.job_changed(type="DELETED", name=name, namespace="ns", uid=f"u-{name}", body={})
+
+
 class ThrottledOnce(Passes):
     """A controller whose first pass is throttled (Retry-After: 1 s); it notes each wait asked."""
 
@@ -149,14 +161,7 @@ def test_a_throttled_pass_is_retried_after_the_wait_asked_with_a_line_not_a_trac
     monkeypatch.setattr(handlers, "api", lambda: None)
     monkeypatch.setattr(handlers, "PERIOD", 0.25)
     monkeypatch.setattr(Passes, "count", 0)
-    handlers.job_changed(type=None, name="t", namespace="ns", uid="u-4", body={})
-    try:
-        for _ in range(100):
-            if len(ThrottledOnce.waits) >= 2:
-                break
-            threading.Event().wait(0.02)
-    finally:
-        handlers.job_changed(type="DELETED", name="t", namespace="ns", uid="u-4", body={})
+    run_until("t", lambda: len(ThrottledOnce.waits) >= 2)
     assert ThrottledOnce.waits[:2] == [1.0, 0.25]  # the wait asked, then the period again
     (line,) = [r for r in caplog.records if "throttled" in r.getMessage()]
     assert line.levelname == "WARNING" and line.exc_info is None
@@ -184,14 +189,7 @@ def test_a_wake_during_a_throttled_wait_does_not_start_a_pass_before_retry_after
 ) -> None:
     monkeypatch.setattr(handlers, "JobController", ThrottledThenWoken)
     monkeypatch.setattr(handlers, "api", lambda: None)
-    handlers.job_changed(type=None, name="w", namespace="ns", uid="u-5", body={})
-    try:
-        for _ in range(200):
-            if len(ThrottledThenWoken.began) >= 2:
-                break
-            threading.Event().wait(0.02)
-    finally:
-        handlers.job_changed(type="DELETED", name="w", namespace="ns", uid="u-5", body={})
+    run_until("w", lambda: len(ThrottledThenWoken.began) >= 2)
     first, second = ThrottledThenWoken.began[:2]
     assert second - first >= 1.0  # the server's Retry-After, though the wait ended at once
 
