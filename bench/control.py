@@ -36,6 +36,11 @@ For each size, in one run:
   and a long pass is followed by a longer wait: `JobController.wait`). Near the
   machine's core count, the figures measure a saturated machine.
 
+A pod whose agent fails to start is said on stderr (the operator replaces it, and the run's
+figures then include that); a phase that does not end within its limit fails the run with the
+job's status and a line for each agent with an epoch pending or in another epoch than the
+world's (`astray`).
+
 Passes run as the operator's job loop runs them: at once when the job or one of its pods
 changed since the last pass began (what its watches wake it for), but for the pass's own write
 while a reconfiguration is in flight; then, until the next pass, the wait follows one member of
@@ -70,6 +75,7 @@ from typing import Any
 
 import yaml
 from common import machine, write_json
+from google.protobuf import text_format
 from liveshard_operator import agents
 from liveshard_operator.controller import JobController
 from liveshard_operator.handlers import PERIOD
@@ -191,6 +197,9 @@ class SimKube(Kube):
             if path not in self.objects:
                 return  # deleted meanwhile
             phase = "Running" if answer[0] == "ready" else "Failed"
+            if phase == "Failed":  # the operator replaces it: say why, the run's figures differ
+                print(f"pod {pod['metadata']['name']} failed to start: {answer[-1]}",
+                      file=sys.stderr, flush=True)  # fmt: skip
             status = {
                 "phase": phase,
                 "podIP": ip,
@@ -267,6 +276,22 @@ def loop(kube: SimKube, controller: JobController, more: Callable[[], bool]) -> 
     return pass_seconds
 
 
+def astray(controller: JobController, seen: dict[str, Any]) -> list[str]:
+    """What each agent says that has an epoch pending or is in another epoch than the world
+    recorded in `seen` (`status.reconfiguration`), one line each: why a change did not end."""
+    epoch = (seen.get("world") or {}).get("epoch")
+    lines = []
+    for member, client in sorted(controller.clients.items()):
+        try:
+            status = client.status()
+        except agents.AgentError as err:
+            lines.append(f"{member}: {err}")
+            continue
+        if status.HasField("pending") or status.epoch != epoch:
+            lines.append(f"{member}: {text_format.MessageToString(status, as_one_line=True)}")
+    return lines
+
+
 def until(kube: SimKube, controller: JobController, calls: Calls, members: int,
           limit: float) -> dict[str, Any]:  # fmt: skip
     """Run passes as the operator's job loop does (`loop`) until a world of `members` is
@@ -280,6 +305,7 @@ def until(kube: SimKube, controller: JobController, calls: Calls, members: int,
             job = kube.job()
             raise RuntimeError(
                 f"no world of {members} after {limit} s: {json.dumps(job.get('status'))[:2000]}"
+                + "".join(f"\n{line}" for line in astray(controller, record(job)))
             )
         return not training(kube, members)
 
