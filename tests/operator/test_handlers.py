@@ -20,6 +20,8 @@ import pytest
 from liveshard_operator import handlers
 from liveshard_operator.kube import Throttled
 
+from liveshard_e2e.waiting import wait_until
+
 
 class Passes:
     """A controller that counts its passes; each writes the job's version `written`, quietly
@@ -127,13 +129,12 @@ def test_a_quiet_write_wakes_nothing_and_every_other_change_does(
         handlers.job_changed(type="DELETED", name="q", namespace="ns", uid="u-3", body={})
 
 
-def run_until(name: str, done: Callable[[], bool], seconds: float = 4.0) -> None:
-    """Run job `name`'s loop until `done()` (or `seconds` passed), then delete the job."""
+def run_until(name: str, done: Callable[[], bool], what: str) -> None:
+    """Run job `name`'s loop until `done()` (TimeoutError naming `what` after 4 s), then
+    delete the job."""
     handlers.job_changed(type=None, name=name, namespace="ns", uid=f"u-{name}", body={})
     try:
-        deadline = time.monotonic() + seconds
-        while not done() and time.monotonic() < deadline:
-            threading.Event().wait(0.02)
+        wait_until(done, 4, what, interval=0.02)
     finally:
         handlers.job_changed(type="DELETED", name=name, namespace="ns", uid=f"u-{name}", body={})
 
@@ -161,7 +162,7 @@ def test_a_throttled_pass_is_retried_after_the_wait_asked_with_a_line_not_a_trac
     monkeypatch.setattr(handlers, "api", lambda: None)
     monkeypatch.setattr(handlers, "PERIOD", 0.25)
     monkeypatch.setattr(Passes, "count", 0)
-    run_until("t", lambda: len(ThrottledOnce.waits) >= 2)
+    run_until("t", lambda: len(ThrottledOnce.waits) >= 2, "two waits")
     assert ThrottledOnce.waits[:2] == [1.0, 0.25]  # the wait asked, then the period again
     (line,) = [r for r in caplog.records if "throttled" in r.getMessage()]
     assert line.levelname == "WARNING" and line.exc_info is None
@@ -189,7 +190,7 @@ def test_a_wake_during_a_throttled_wait_does_not_start_a_pass_before_retry_after
 ) -> None:
     monkeypatch.setattr(handlers, "JobController", ThrottledThenWoken)
     monkeypatch.setattr(handlers, "api", lambda: None)
-    run_until("w", lambda: len(ThrottledThenWoken.began) >= 2)
+    run_until("w", lambda: len(ThrottledThenWoken.began) >= 2, "two passes")
     first, second = ThrottledThenWoken.began[:2]
     assert second - first >= 1.0  # the server's Retry-After, though the wait ended at once
 
