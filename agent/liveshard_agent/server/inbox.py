@@ -44,8 +44,17 @@ class CommandInbox:
         self._current: Ticket | None = None
         self._on_boundary = on_boundary
 
-    def put(self, command: Command, before: Callable[[], None] | None = None) -> Ticket:
+    def put(
+        self,
+        command: Command,
+        before: Callable[[], None] | None = None,
+        shown: Callable[[Ticket], None] | None = None,
+    ) -> Ticket:
+        """Queue `command`; `shown` runs with its ticket before the loop can take it, so what the
+        caller records of the ticket there (the status's claim) is never behind its settling."""
         ticket = Ticket(next(self._numbers), command, before)
+        if shown is not None:
+            shown(ticket)
         self._queue.put(ticket)
         return ticket
 

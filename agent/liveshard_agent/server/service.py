@@ -28,7 +28,7 @@ from liveshard_core.layout.layout import Layout
 
 from ..engine.record import ContextLogger, context_logger
 from ..engine.world import StoreAddress
-from ..runtime.loop import CheckpointAt, Drop, Prepare, Start, Stop, SwitchAt
+from ..runtime.loop import CheckpointAt, Command, Drop, Prepare, Start, Stop, SwitchAt
 from ..runtime.member import recovers, superseding
 from . import requests
 from .certs import ServingCertificate
@@ -204,9 +204,9 @@ class AgentService:
             if order.old is not None:
                 _from_in_effect(order.old, seen.training, seen.layout, self.job.member)
             deadlines = order.deadlines
-            ticket = self.inbox.put(order.command, lambda: self.use_deadlines(deadlines))
             kind = ClaimKind.START if isinstance(order.command, Start) else ClaimKind.CHANGE
-            self._claim(Claim(ticket.number, kind, order.epoch, order.at_step, order.new))
+            self._obey(order.command, kind, order.epoch, order.at_step, order.new,
+                       before=lambda: self.use_deadlines(deadlines))  # fmt: skip
             self.accepted[order.epoch] = request
             self.layouts[order.epoch] = order.new
         if order.old is None:
@@ -232,8 +232,7 @@ class AgentService:
                 raise Refused(f"epoch {epoch} is a first world: it starts without a Switch")
             if pending.state is PendingState.FAILED:
                 raise Refused(f"epoch {epoch} failed to prepare: {pending.reason}")
-            ticket = self.inbox.put(SwitchAt(epoch, at_step))
-            self._claim(Claim(ticket.number, ClaimKind.SWITCH, epoch, at_step))
+            self._obey(SwitchAt(epoch, at_step), ClaimKind.SWITCH, epoch, at_step)
         self.log.info("epoch %s may switch at step >= %s", epoch, at_step)
         return pb.SwitchResponse()
 
@@ -255,8 +254,7 @@ class AgentService:
                 )
             ticket = self.drops.get(epoch)
             if ticket is None or ticket.settled.is_set():
-                ticket = self.inbox.put(Drop(epoch))
-                self._claim(Claim(ticket.number, ClaimKind.DROP, epoch))
+                ticket = self._obey(Drop(epoch), ClaimKind.DROP, epoch)
                 self.drops[epoch] = ticket
         # The member takes the drop at its next step boundary (or once a switch under way ends).
         remaining = context.time_remaining()
@@ -300,8 +298,8 @@ class AgentService:
                     f"number={request.number} must be greater than {last}, the last checkpoint "
                     "asked for here"
                 )
-            ticket = self.inbox.put(CheckpointAt(request.number, path, at_step, export_to))
-            self._claim(Claim(ticket.number, ClaimKind.CHECKPOINT, request.number, at_step))
+            self._obey(CheckpointAt(request.number, path, at_step, export_to),
+                       ClaimKind.CHECKPOINT, request.number, at_step)  # fmt: skip
             self.checkpoints[request.number] = request
         self.log.info("checkpoint %s to %s at step >= %s accepted", request.number, path, at_step)
         return pb.CheckpointResponse()
@@ -333,8 +331,7 @@ class AgentService:
             self.released.set()
             if request.discard:
                 self.discarded.set()
-            ticket = self.inbox.put(Stop())
-            self._claim(Claim(ticket.number, ClaimKind.STOP, 0))
+            self._obey(Stop(), ClaimKind.STOP, 0)
         if request.discard:
             self.log.warning("discarded in phase %s (its job is gone): exiting unsaved", phase.name)
         else:
@@ -367,8 +364,26 @@ class AgentService:
             raise Refused(f"the agent failed and can train no more: {snapshot.failure}")
         return snapshot
 
-    def _claim(self, claim: Claim) -> None:
-        self.board.update(lambda s: replace(s, claims=(*s.claims, claim)))
+    def _obey(
+        self,
+        command: Command,
+        kind: ClaimKind,
+        number: int,
+        at_step: int = 0,
+        layout: Layout | None = None,
+        before: Callable[[], None] | None = None,
+    ) -> Ticket:
+        """Queue `command` for the member's loop, claimed on the status board until the loop
+        settles it. The claim is shown before the loop can take the command: the loop drops a
+        claim as it settles its ticket, and one shown after a quick settling (the handler's thread
+        kept off the CPU meanwhile) would stay for ever, an epoch the member took still pending
+        here and refusing every later Prepare."""
+
+        def claim(ticket: Ticket) -> None:
+            made = Claim(ticket.number, kind, number, at_step, layout)
+            self.board.update(lambda s: replace(s, claims=(*s.claims, made)))
+
+        return self.inbox.put(command, before, claim)
 
 
 def _after_in_effect(epoch: int, snapshot: Snapshot) -> None:

@@ -30,6 +30,9 @@ from liveshard_core.vps.hf import HfModel
 from .agents import CONFIG, HOST, WAIT, Agent, Phase, agents, free_port, layout
 
 Code = grpc.StatusCode
+# The PYTHONPATH of an agent process that injects the faults its environment names (`inject`).
+INJECTING = os.pathsep.join([str(Path(__file__).parent / "inject"), str(Path(__file__).parents[3]),
+                             os.environ.get("PYTHONPATH", "")])  # fmt: skip
 
 
 class Statuses:
@@ -417,10 +420,8 @@ def test_members_that_cannot_read_the_decision_wait_undecided_and_do_as_told(
     """2 agent processes: a grow from a0 to a0 and a1, whose store fails under `losing` after the
     vote (injected). They show the change UNDECIDED and wait; told as the operator tells them
     (Switch when a member trains in the epoch, else Abort), they end where the others did."""
-    inject = Path(__file__).parent / "inject"
-    path = os.pathsep.join([str(inject), str(Path(__file__).parents[3]),
-                            os.environ.get("PYTHONPATH", "")])  # fmt: skip
-    with agents(["a0", "a1"], tmp_path, PYTHONPATH=path, TEST_LOSE_THE_DECISION=losing) as started:
+    with agents(["a0", "a1"], tmp_path, PYTHONPATH=INJECTING,
+                TEST_LOSE_THE_DECISION=losing) as started:  # fmt: skip
         a0, a1 = started["a0"], started["a1"]
         alone = layout(["a0"])
         a0.call("Prepare", pb.PrepareRequest(epoch=0, store=host_store(a0, 0), to=alone))
@@ -446,3 +447,36 @@ def test_members_that_cannot_read_the_decision_wait_undecided_and_do_as_told(
                 assert "aborted as told" in status.last_switch.reason
             assert trains(a0, a0.status().step).epoch == 0
             assert a1.status().phase == Phase.STANDBY
+
+
+def test_commands_obeyed_before_their_calls_answer_leave_nothing_pending(tmp_path: Path) -> None:
+    """2 agent processes whose member's loop obeys every command before the call that gave it
+    goes on (injected: the handler's thread kept off the CPU meanwhile). A first world, a grow
+    and a checkpoint are each taken and done before their calls answer; none stays pending, and
+    each next command is accepted."""
+    with agents(["a0", "a1"], tmp_path, PYTHONPATH=INJECTING,
+                TEST_SETTLE_BEFORE_ANSWERING=1) as started:  # fmt: skip
+        a0, a1 = started["a0"], started["a1"]
+        alone = layout(["a0"])
+        a0.call("Prepare", pb.PrepareRequest(epoch=0, store=host_store(a0, 0), to=alone))
+        status = trains(a0, 1)
+        assert not status.HasField("pending"), status
+        grow = change(1, host_store(a0, 1), alone, layout(["a0", "a1"], dp=2))
+        prepare([a0, a1], grow)
+        for status in switched([a0, a1], 1):
+            assert status.layout == grow.to
+        for agent in (a0, a1):
+            status = trains(agent, agent.status().step)
+            assert status.epoch == 1 and not status.HasField("pending"), status
+        path = str(tmp_path / "saved")
+        at = a0.status().step + 2
+        for agent in (a0, a1):
+            agent.call("Checkpoint", pb.CheckpointRequest(number=1, path=path, at_step=at))
+        saved = [a.wait_for("checkpoint 1", lambda s: s.last_checkpoint.number == 1).last_checkpoint
+                 for a in (a0, a1)]  # fmt: skip
+        assert saved[0].step == saved[1].step >= at
+        shrink = change(2, host_store(a0, 2), grow.to, alone)
+        prepare([a0, a1], shrink)
+        switched([a0, a1], 2)
+        assert trains(a0, a0.status().step).layout == alone
+        assert a1.status().phase == Phase.STANDBY
