@@ -24,7 +24,8 @@ For each size, in one run:
   member obeyed it (at its next step boundary), then until every member said it was prepared
   (after the step that follows), and from the switch step to the commit recorded. On a machine
   too loaded for the members to keep their clock, the switch step recorded may be one whose
-  time is past (`behind_the_clock_seconds`): its wait is then none;
+  time is past (`behind_the_clock_seconds`): its wait is then none; and how long the
+  operator's Prepare calls took, each (`prepare_call_seconds`: median, 90th percentile, max);
 - the operator's memory: its process's peak resident set, against before the job;
 - how busy the machine was (`machine_busy_cores`, from /proc/stat: every process's CPU time,
   the agents' and the operator's, over the phase's wall time) in the start, the shrink and the
@@ -221,11 +222,12 @@ class SimKube(Kube):
 
 class Calls:
     """Counts the operator's agent calls, by method, and keeps when the last of each returned
-    (wall-clock seconds)."""
+    (wall-clock seconds) and how long each Prepare taken took."""
 
     def __init__(self) -> None:
         self.count: Counter[str] = Counter()
         self.returned: dict[str, float] = {}
+        self.prepare_seconds: list[float] = []
         self.lock = threading.Lock()
         # The operator's one way to an agent, wrapped (instrumentation of this run only).
         original = agents.AgentClient._call  # noqa: SLF001
@@ -233,9 +235,12 @@ class Calls:
         def counted(client: agents.AgentClient, method: str, request: object) -> object:
             with self.lock:
                 self.count[method] += 1
+            began = time.perf_counter()
             answer = original(client, method, request)
             with self.lock:
                 self.returned[method] = time.time()
+                if method == "Prepare":
+                    self.prepare_seconds.append(time.perf_counter() - began)
             return answer
 
         agents.AgentClient._call = counted  # type: ignore[method-assign]  # noqa: SLF001
@@ -297,6 +302,7 @@ def until(kube: SimKube, controller: JobController, calls: Calls, members: int,
     """Run passes as the operator's job loop does (`loop`) until a world of `members` is
     committed; what it took."""
     requests, agent_calls = Counter(kube.requests), Counter(calls.count)
+    prepares = len(calls.prepare_seconds)
     busy = _busy_seconds()
     start, cpu, wall = time.perf_counter(), time.process_time(), time.time()
 
@@ -322,8 +328,21 @@ def until(kube: SimKube, controller: JobController, calls: Calls, members: int,
         "pass_seconds_max": round(max(pass_seconds, default=0.0), 3),
         "api_requests": dict(kube.requests - requests),
         "agent_calls": dict(calls.count - agent_calls),
+        "prepare_call_seconds": _spread(calls.prepare_seconds[prepares:]),
         "epoch": record(kube.job())["world"]["epoch"],
     }
+
+
+def _spread(seconds: list[float]) -> dict[str, float]:
+    """The median, 90th percentile and longest of `seconds` (none: {})."""
+    if not seconds:
+        return {}
+    ranked = sorted(seconds)
+
+    def at(q: float) -> float:
+        return round(ranked[min(int(q * len(ranked)), len(ranked) - 1)], 4)
+
+    return {"median": at(0.5), "p90": at(0.9), "max": at(1.0)}
 
 
 def job_manifest(members: int, per_pod: int = 1) -> dict[str, Any]:

@@ -81,6 +81,10 @@ def test_control_benchmark_quick(tmp_path: Path, per_pod: int) -> None:
         parts = change["parts_seconds"]
         assert parts["prepares_taken"] > 0 and parts["commit_seen"] > 0, parts
         assert parts["all_said_prepared"] > -0.5 and parts["prepares_obeyed"] > -0.5, parts
+        # Each Prepare call timed: none took longer than the fan-out it was part of.
+        spread = change["prepare_call_seconds"]
+        assert 0 < spread["median"] <= spread["p90"] <= spread["max"], spread
+        assert spread["max"] <= parts["prepares_taken"] + 0.01, (spread, parts)
     # One status call a pass for each pod: its members' statuses together.
     status = "GetStatus" if per_pod == 1 else "GetPodStatus"
     assert size["steady_pass"]["agent_calls_per_pass"] == {status: 8 / per_pod}
