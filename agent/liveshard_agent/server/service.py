@@ -205,10 +205,11 @@ class AgentService:
                 _from_in_effect(order.old, seen.training, seen.layout, self.job.member)
             deadlines = order.deadlines
             kind = ClaimKind.START if isinstance(order.command, Start) else ClaimKind.CHANGE
-            self._obey(order.command, kind, order.epoch, order.at_step, order.new,
-                       before=lambda: self.use_deadlines(deadlines))  # fmt: skip
+            # Known before the loop can take the command: the reporter reads the layouts.
             self.accepted[order.epoch] = request
             self.layouts[order.epoch] = order.new
+            self._obey(order.command, kind, order.epoch, order.at_step, order.new,
+                       before=lambda: self.use_deadlines(deadlines))  # fmt: skip
         if order.old is None:
             self.log.info("first world, epoch %s, accepted: %s", order.epoch,
                           order.new.describe())  # fmt: skip
