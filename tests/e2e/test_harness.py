@@ -65,7 +65,9 @@ sys.stdin.read()
 def test_a_port_another_live_process_was_given_is_not_given_until_it_ends(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    claims, port = tmp_path / "claims", 38000
+    # A port below the machine's ephemeral range, which no connection takes meanwhile (one in it
+    # may be any connection's own), and claimed for this process's life among the user's others.
+    claims, port = tmp_path / "claims", procs.free_port()
     monkeypatch.setattr(procs, "CLAIMS", claims)
     monkeypatch.setattr(procs, "_claims", {})
     monkeypatch.setattr(procs, "_given", set())
