@@ -222,7 +222,7 @@ class SimKube(Kube):
 
 class Calls:
     """Counts the operator's agent calls, by method, and keeps when the last of each returned
-    (wall-clock seconds) and how long each Prepare taken took."""
+    (wall-clock seconds) and how long each Prepare that was taken took."""
 
     def __init__(self) -> None:
         self.count: Counter[str] = Counter()

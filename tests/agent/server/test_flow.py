@@ -451,9 +451,9 @@ def test_members_that_cannot_read_the_decision_wait_undecided_and_do_as_told(
 
 def test_commands_obeyed_before_their_calls_answer_leave_nothing_pending(tmp_path: Path) -> None:
     """2 agent processes whose member's loop obeys every command before the call that gave it
-    goes on (injected: the handler's thread kept off the CPU meanwhile). A first world, a grow
-    and a checkpoint are each taken and done before their calls answer; none stays pending, and
-    each next command is accepted."""
+    goes on (injected: the handler's thread kept off the CPU meanwhile). A first world, a grow,
+    a checkpoint and a shrink are each taken and done before their calls answer; none stays
+    pending, so each next command is accepted."""
     with agents(["a0", "a1"], tmp_path, PYTHONPATH=INJECTING,
                 TEST_SETTLE_BEFORE_ANSWERING=1) as started:  # fmt: skip
         a0, a1 = started["a0"], started["a1"]
