@@ -7,7 +7,7 @@ from typing import Any
 from liveshard_agent.runtime.loop import Command, Stop
 from liveshard_agent.server.inbox import CommandInbox, Ticket
 
-SETTLE_WAIT = 120.0  # seconds a command may take to be obeyed, on a loaded 2-core machine
+from .agents import WAIT
 
 
 def settle_before_answering() -> None:
@@ -19,8 +19,8 @@ def settle_before_answering() -> None:
 
     def put_and_settle(self: CommandInbox, command: Command, *args: Any) -> Ticket:
         ticket = put(self, command, *args)
-        if not isinstance(command, Stop) and not ticket.wait(SETTLE_WAIT):
-            raise RuntimeError(f"{command} was not obeyed within {SETTLE_WAIT} s")
+        if not isinstance(command, Stop) and not ticket.wait(WAIT):
+            raise RuntimeError(f"{command} was not obeyed within {WAIT} s")
         return ticket
 
     CommandInbox.put = put_and_settle  # type: ignore[method-assign,assignment]
