@@ -173,8 +173,9 @@ class Executor:
     # wait follows a member of it, `sentinel`, and wakes when that member has news), or it
     # changed only the training's progress (`Decision.news`: the step moves all the time).
     quiet: str | None = None
-    # Whether a Prepare or a commit the last pass sent failed where the agent may answer later
-    # (unavailable, deadline exceeded): the next pass sends it again, after `RESEND`.
+    # Whether a Prepare or a commit the pass sent failed where the agent may answer later
+    # (unavailable, deadline exceeded): the next pass sends it again, after `RESEND` (the
+    # controller clears it as a pass begins).
     unsent: bool = False
     # The last Prepare's request, made once for all its members (`_prepare`).
     _made: tuple[Prepare, pb.PrepareRequest] | None = None
@@ -186,7 +187,6 @@ class Executor:
     def run(self, decision: Decision) -> Decision:
         """Carry out `decision` (see the module's docstring for the order); the decision carried
         out (a reconfiguration's begin recorded once its store is hosted)."""
-        self.unsent = False
         aborts = [a for a in decision.before if isinstance(a, AbortOn)]
         overtaking = [r for r in fan_out(self._abort, aborts) if r is not None]
         if overtaking and decision.unaborted is not None:

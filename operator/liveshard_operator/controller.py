@@ -40,7 +40,9 @@ log = logging.getLogger(__name__)
 # a daemon served; a pass takes it off, so that a job stays deletable once the operator is gone.
 LEGACY_FINALIZER = "liveshard.io/finalizer"
 # Seconds before the next pass sends again a Prepare or commit that an agent did not take for
-# now (unavailable, past its deadline): a reconfiguration waits on every member's Prepare.
+# now (unavailable, past its deadline): a reconfiguration waits on every member's Prepare. Each
+# further pass in a row that leaves one unsent doubles the wait (up to the period), so that
+# agents too loaded to answer in time are not sent more calls the sooner for it.
 RESEND = 0.5
 # A pass that leaves nothing in flight is followed by a wait of at least this many times its own
 # length (a watch event still ends it): passes with nothing to do take at most a fifth of the
@@ -70,6 +72,7 @@ class JobController:
         self.watched: sentinel.Follow | None = None
         self.in_flight = False  # the last pass left a reconfiguration in flight
         self.spent = 0.0  # the last pass's wall time (seconds)
+        self.unsent_passes = 0  # the passes in a row, to the last, that left a call unsent
 
     def discard(self) -> None:
         """The job is gone: tell every agent a pass reached to drop its state and exit, so that
@@ -94,28 +97,29 @@ class JobController:
         self.metrics.forget(self.job)
 
     def wait(self, wake: threading.Event, seconds: float) -> None:
-        """The wait after a pass: until `wake` is set or `seconds` passed (`RESEND` at most when
-        a Prepare or commit of the pass failed where the agent may answer later), or, while a
+        """The wait after a pass: until `wake` is set or `seconds` passed (`RESEND`, doubled for
+        each earlier pass in a row that did so, at most when a Prepare or commit of the pass
+        failed where the agent may answer later), or, while a
         reconfiguration is in flight, its watched member's verdict changed (`sentinel`); with
         nothing in flight, `IDLE_STRETCH` times the pass's length at least."""
-        if self.executor.unsent:
-            seconds = min(seconds, RESEND)
+        if self.unsent_passes:
+            seconds = min(seconds, RESEND * 2 ** (self.unsent_passes - 1))
         elif not self.in_flight:
             seconds = max(seconds, IDLE_STRETCH * self.spent)
         sentinel.wait(wake, seconds, self.watched)
 
     def reconcile(self) -> bool:
         """One pass, timed; False once the job is gone."""
-        began = time.monotonic()
-        with self.metrics.timing(self.job):
+        with self.metrics.timing(self.job) as timed:
             alive = self._reconcile()
-        self.spent = time.monotonic() - began
+        self.spent = timed.seconds
+        self.unsent_passes = self.unsent_passes + 1 if self.executor.unsent else 0
         if not alive:
             self.metrics.forget(self.job)
         return alive
 
     def _reconcile(self) -> bool:
-        self.watched, self.in_flight = None, False
+        self.watched, self.in_flight, self.executor.unsent = None, False, False
         body = self.kube.get_job(self.namespace, self.name)
         if body is None:
             return False

@@ -15,6 +15,7 @@ import time
 from collections import Counter as Tally
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -32,6 +33,11 @@ MEMBER_PHASES = (
 )
 # A pass reads the API server and asks agents within their deadlines: milliseconds to a minute.
 _PASS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+@dataclass
+class Timed:
+    seconds: float = 0.0
 
 
 class Metrics:
@@ -73,17 +79,19 @@ class Metrics:
         self._known: set[str] = set()  # every phase a job has been in
 
     @contextmanager
-    def timing(self, job: str) -> Iterator[None]:
-        """Time the pass run inside; count it as an error if it raises (and let it raise)."""
+    def timing(self, job: str) -> Iterator[Timed]:
+        """Time the pass run inside (its seconds are in the `Timed` given, once it ends); count
+        it as an error if it raises (and let it raise)."""
         errors = self.reconcile_errors.labels(job)  # 0 from the first pass, not the first error
-        start = time.monotonic()
+        timed, start = Timed(), time.monotonic()
         try:
-            yield
+            yield timed
         except Exception:
             errors.inc()
             raise
         finally:
-            self.reconcile_seconds.labels(job).observe(time.monotonic() - start)
+            timed.seconds = time.monotonic() - start
+            self.reconcile_seconds.labels(job).observe(timed.seconds)
 
     def decided(self, job: str, decision: Decision) -> None:
         """What a pass that observed the job found: its members' phases, whether its record has

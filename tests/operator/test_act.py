@@ -293,6 +293,32 @@ def test_a_prepare_the_agent_may_take_later_is_sent_again_soon(
     assert waited == [waits]
 
 
+def test_the_resend_wait_doubles_while_an_agent_keeps_failing_and_ends_with_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An agent too loaded to answer in time is not sent its Prepare more often for it: each
+    # pass in a row that leaves it unsent doubles the wait, up to the period; a pass that sends
+    # everything ends the backoff.
+    pods = seen(*(pod(f"p{i}", standby()) for i in range(4)))
+    calls: Calls = []
+    monkeypatch.setattr(controller_module, "observe", lambda *_: pods)
+    controller = JobController(FakeKube(calls, BODY), "ns", "tiny", lambda *_: None)  # type: ignore[arg-type]
+    late = FakeAgent("p2", calls, ("prepare",))
+    controller.clients.update({m: late if m == "p2" else FakeAgent(m, calls) for m in pods.pods})  # type: ignore[misc]
+    waited: list[float] = []
+    monkeypatch.setattr(controller_module.sentinel, "wait", lambda _w, s, _f: waited.append(s))
+    for _ in range(4):
+        assert controller.reconcile()
+        controller.wait(threading.Event(), 3.0)
+    resend = controller_module.RESEND
+    assert waited == [resend, 2 * resend, 4 * resend, 3.0]
+    assert [c[1] for c in calls if c[0] == "prepare"].count("p2") == 4
+    controller.clients["p2"] = FakeAgent("p2", calls)  # type: ignore[assignment]
+    assert controller.reconcile()
+    controller.wait(threading.Event(), 3.0)
+    assert waited[-1] == 3.0 and controller.unsent_passes == 0
+
+
 class SlowKube(FakeKube):
     """An API server that takes 0.1 s to return the job."""
 
