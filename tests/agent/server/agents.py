@@ -76,7 +76,7 @@ class Agent:
             stderr=subprocess.STDOUT,
         )  # fmt: skip
         self.channel = grpc.insecure_channel(f"{HOST}:{self.port}")
-        self.stub = pb_grpc.AgentStub(self.channel)
+        self.stub = pb_grpc.AgentStub(self.channel)  # type: ignore[no-untyped-call]  # generated
 
     def call(self, method: str, request: Any, **kwargs: Any) -> Any:
         kwargs.setdefault("metadata", self.metadata)
@@ -84,7 +84,8 @@ class Agent:
         return getattr(self.stub, method)(request, **kwargs)
 
     def status(self) -> pb.AgentStatus:
-        return self.call("GetStatus", pb.GetStatusRequest())
+        status: pb.AgentStatus = self.call("GetStatus", pb.GetStatusRequest())
+        return status
 
     def refused(self, method: str, request: Any, **kwargs: Any) -> grpc.RpcError:
         """The error a call ends with (failing the test if it succeeds)."""
@@ -105,7 +106,7 @@ class Agent:
                 raise AssertionError(f"{self.member} exited with {self.proc.returncode}:\n"
                                      f"{self.output()}")  # fmt: skip
             try:
-                status = self.call("GetStatus", pb.GetStatusRequest(), timeout=2)
+                status: pb.AgentStatus = self.call("GetStatus", pb.GetStatusRequest(), timeout=2)
                 if status.ready:
                     return status
             except grpc.RpcError as err:
