@@ -232,11 +232,13 @@ class Calls:
         # The operator's one way to an agent, wrapped (instrumentation of this run only).
         original = agents.AgentClient._call  # noqa: SLF001
 
-        def counted(client: agents.AgentClient, method: str, request: object) -> object:
+        def counted(
+            client: agents.AgentClient, method: str, request: object, members: Any = ()
+        ) -> object:
             with self.lock:
                 self.count[method] += 1
             began = time.perf_counter()
-            answer = original(client, method, request)
+            answer = original(client, method, request, members)
             with self.lock:
                 self.returned[method] = time.time()
                 if method == "Prepare":

@@ -11,7 +11,7 @@ What the agents' messages mean to the operator (a switch's result, its cause) is
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -33,12 +33,13 @@ _STATUS = pb.GetStatusRequest(omit_layout=True)
 T = TypeVar("T")
 
 
-def fan_out(call: Callable[[Any], T], actions: list[Any]) -> list[T]:
-    """`call` on every action at once, at most FAN_OUT at a time: a reconfiguration's agent
+def fan_out(call: Callable[[Any], T], actions: list[Any], per_call: int = 1) -> list[T]:
+    """`call` on every action at once, at most FAN_OUT members' calls at a time (`per_call`:
+    the most members one action's call is for, in a pod of several): a reconfiguration's agent
     calls cost the slowest agent's time, not the sum over members."""
     if len(actions) <= 1:
         return [call(a) for a in actions]
-    with ThreadPoolExecutor(max_workers=min(FAN_OUT, len(actions))) as pool:
+    with ThreadPoolExecutor(max_workers=min(max(FAN_OUT // per_call, 1), len(actions))) as pool:
         return list(pool.map(call, actions))
 
 
@@ -91,11 +92,16 @@ class AgentClient:
     def close(self) -> None:
         self.channel.close()
 
-    def _call(self, method: str, request: object) -> object:
+    def _call(self, method: str, request: object, members: Sequence[str] = ()) -> object:
+        """Call `method` on this client's member, or on `members` (of its pod) at once."""
+        metadata: tuple[tuple[str, str], ...] = self.metadata
+        if members:
+            metadata = (metadata[0], *((MEMBER_KEY, m) for m in members))
         try:
-            return getattr(self.stub, method)(request, timeout=self.timeout, metadata=self.metadata)
+            return getattr(self.stub, method)(request, timeout=self.timeout, metadata=metadata)
         except grpc.RpcError as err:
-            raise AgentError(self.member, err.code(), err.details() or "") from None
+            named = ", ".join(members) or self.member
+            raise AgentError(named, err.code(), err.details() or "") from None
 
     def status(self) -> pb.AgentStatus:
         return self._call("GetStatus", _STATUS)  # type: ignore[return-value]
@@ -116,9 +122,11 @@ class AgentClient:
         address = reply.address  # type: ignore[attr-defined]
         return address.host, address.port
 
-    def prepare(self, request: pb.PrepareRequest) -> None:
-        """Send a Prepare (`prepare_request`): the same request goes to every member."""
-        self._call("Prepare", request)
+    def prepare(self, request: pb.PrepareRequest, members: Sequence[str] = ()) -> None:
+        """Send a Prepare (`prepare_request`): the same request goes to every member. Given
+        `members` (this client's and others of its pod of several), it goes to all of them in
+        one call, which the pod's proxy passes on to each."""
+        self._call("Prepare", request, members)
 
     def switch(self, epoch: int, at_step: int) -> None:
         self._call("Switch", pb.SwitchRequest(epoch=epoch, at_step=at_step))

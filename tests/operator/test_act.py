@@ -18,7 +18,7 @@ from liveshard_operator import controller as controller_module
 from liveshard_operator import pki, render
 from liveshard_operator.act import Executor, Options
 from liveshard_operator.actions import Prepare
-from liveshard_operator.agents import AgentClient, AgentError, prepare_request
+from liveshard_operator.agents import FAN_OUT, AgentClient, AgentError, fan_out, prepare_request
 from liveshard_operator.controller import JobController
 from liveshard_operator.decide import decide
 from liveshard_operator.kube import ApiError, Kube, Stale
@@ -105,8 +105,12 @@ class FakeAgent:
         self._call("host_store", epoch)
         return ("10.0.0.0", 7000 + epoch)
 
-    def prepare(self, request: pb.PrepareRequest) -> None:
-        self._call("prepare", request.epoch, (request.store.host, request.store.port), request)
+    def prepare(self, request: pb.PrepareRequest, members: tuple[str, ...] = ()) -> None:
+        """Logged once per member it is for, with the members the call named (none: its own)."""
+        store = (request.store.host, request.store.port)
+        for member in members[1:]:
+            self.calls.append(("prepare", member, request.epoch, store, request, tuple(members)))
+        self._call("prepare", request.epoch, store, request, tuple(members))
 
     def abort(self, epoch: int) -> None:
         self._call("abort", epoch)
@@ -133,6 +137,28 @@ def executor(calls: Calls, seen_: Observation, **refuse: tuple[str, ...]) -> Exe
 def kinds(calls: Calls) -> list[str]:
     return [" ".join(str(part) for part in call[:2]) if call[0] != "status" else "status"
             for call in calls]  # fmt: skip
+
+
+@pytest.mark.parametrize(("per_call", "most"), [(1, FAN_OUT), (8, FAN_OUT // 8), (64, 1)])
+def test_the_fan_out_keeps_at_most_fan_out_members_calls_in_flight(
+    per_call: int, most: int
+) -> None:
+    # A call for a pod's 8 members counts 8: the agents' side takes no more at once than with
+    # one call a member.
+    in_flight, highest = 0, 0
+    changed = threading.Condition()
+
+    def call(_: int) -> None:
+        nonlocal in_flight, highest
+        with changed:
+            in_flight += 1
+            highest = max(highest, in_flight)
+            changed.notify_all()
+            changed.wait_for(lambda: highest >= most, timeout=5)
+            in_flight -= 1
+
+    fan_out(call, list(range(3 * FAN_OUT)), per_call)
+    assert highest == most
 
 
 def test_the_reconfiguration_is_recorded_before_any_prepare() -> None:

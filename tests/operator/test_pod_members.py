@@ -9,6 +9,7 @@ import re
 from dataclasses import replace
 from typing import Any
 
+import grpc
 import pytest
 from liveshard_operator import policy, render
 from liveshard_operator.actions import (
@@ -20,6 +21,7 @@ from liveshard_operator.actions import (
     Prepare,
     ReleaseMember,
 )
+from liveshard_operator.agents import AgentError
 from liveshard_operator.decide import decide
 from liveshard_operator.decision import hosted
 from liveshard_operator.observation import Job, Observation, Pod
@@ -29,6 +31,7 @@ from liveshard.v1 import agent_pb2 as pb
 from liveshard_core.assign.nodes import mirror_pairs, pairs_on_one_node
 from liveshard_core.errors import InvalidInput
 from liveshard_core.layout.layout import Layout, parse_degrees
+from tests.operator.test_act import Calls, FakeAgent, executor
 from tests.operator.values import NOW, job, pod, seen, standby, switched, training
 
 TP2 = {"parallelism": {"tp": 2, "zero": 1}}
@@ -277,6 +280,15 @@ def test_pods_whose_mirror_pairs_share_a_node_are_not_split_but_reported() -> No
     assert (degraded["status"], degraded["reason"]) == ("True", "MirrorPairsOnOneNode")
 
 
+class OneAtATime(FakeAgent):
+    """An agent behind a proxy that takes one member a call."""
+
+    def prepare(self, request: pb.PrepareRequest, members: tuple[str, ...] = ()) -> None:
+        if members:
+            raise AgentError(self.member, grpc.StatusCode.INVALID_ARGUMENT, "one required")
+        super().prepare(request)
+
+
 def test_a_change_tells_every_member_the_pods_its_plan_takes_bytes_inside() -> None:
     the_job = two_per_pod(3)
     old = World.of(1, _layout(the_job, "p0 p1"))
@@ -291,6 +303,23 @@ def test_a_change_tells_every_member_the_pods_its_plan_takes_bytes_inside() -> N
     assert flight is not None and InFlight.from_dict(flight.to_dict()) == flight
     sent = [a for a in done.after if isinstance(a, Prepare)]
     assert len(sent) == 6 and all(a.pods == flight.pods for a in sent)
+    # Each pod takes its members' Prepare in one call, naming them all (its proxy passes it on).
+    calls: Calls = []
+    executor(calls, grow).run(done)
+    prepares = [c for c in calls if c[0] == "prepare"]
+    assert sorted(c[1] for c in prepares) == [m for m, _ in sorted(expected)]
+    assert sorted(c[5] for c in prepares) == sorted(
+        2 * [(f"{p}-0", f"{p}-1") for p in ("p0", "p1", "p2")]
+    )
+    # A pod that takes one member a call (a proxy of an earlier version) refuses it for good:
+    # then each member is sent its own, in the same pass.
+    calls.clear()
+    one_each = executor(calls, grow)
+    one_each.clients.update({m: OneAtATime(m, calls) for m in one_each.clients})
+    one_each.run(done)
+    prepares = [c for c in calls if c[0] == "prepare"]
+    assert sorted(c[1] for c in prepares) == [m for m, _ in sorted(expected)]
+    assert all(c[5] == () for c in prepares) and not one_each.unsent
     # Pods of one member share nothing: none is named.
     single = job(3)
     ones = seen(*(pod(f"w{i}", training(1), role=render.MEMBER) for i in range(2)),

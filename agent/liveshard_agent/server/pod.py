@@ -11,7 +11,11 @@ the pod IP, as a pod's lone agent does. The supervisor serves:
   as an agent's (`certs`, `auth`), as a proxy: the metadata key `liveshard-member` names the
   member a call is for; the request's bytes, the caller's metadata and its remaining deadline go
   to that member's agent unparsed, and its answer or status comes back as it is (an UNAVAILABLE
-  with the member's name in front: it may be that the member does not answer); but the
+  with the member's name in front: it may be that the member does not answer); a command (a
+  method whose answer carries nothing: Prepare, Switch, Abort, Checkpoint, Release) may name
+  several of the pod's members, each in a `liveshard-member` entry: it goes to all of them at
+  once, and is answered when every one took it, else with each failure named (the code of one
+  that may answer later if any, so that the caller sends it again soon); but the
   certificate is the pod's: `RotateCertificate` is answered here, and the members' statuses
   carry its fingerprint; and `GetPodStatus`, which names no member, is answered here with every
   member's status, asked of all at once (the operator's one call a pass for the pod);
@@ -78,9 +82,13 @@ _CALLS_PER_MEMBER = 32
 _CHANNEL_OPTIONS = [("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
 # grpc gives a call without a deadline some 2**63 seconds; forwarded, that overflows.
 _NO_DEADLINE = 1e8
-# Seconds of a GetPodStatus call's deadline the proxy keeps from its members' calls, to answer
-# in time with the statuses that came (a quarter of it when it is shorter).
-_POD_STATUS_MARGIN = 0.25
+# Seconds of a call's deadline the proxy keeps from its members' calls when it asks several
+# (GetPodStatus, a command for several), to answer in time with what came and what did not (a
+# quarter of it when it is shorter).
+_ANSWER_MARGIN = 0.25
+# Codes of a member that may take the call later: a command for several members that one of them
+# failed so is answered with it (the caller sends it again soon).
+_MAY_ANSWER_LATER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _METRICS_TIMEOUT = 2.0  # seconds a member has to answer for its metrics
 _STOP_GRACE = 5.0  # seconds for calls in flight when the proxy stops
 _SERVED_POLL = 0.1  # seconds between looks for the members' sockets
@@ -141,6 +149,12 @@ class Proxy(grpc.GenericRpcHandler):
             f"/{_SERVICE.full_name}/{method.name}": method.server_streaming
             for method in _SERVICE.methods
         }
+        # The commands: their answer carries nothing, so one call may be for several members.
+        self._commands = {
+            f"/{_SERVICE.full_name}/{method.name}"
+            for method in _SERVICE.methods
+            if not method.server_streaming and not method.output_type.fields
+        }
 
     def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
         streaming = self._streaming.get(details.method)
@@ -155,6 +169,10 @@ class Proxy(grpc.GenericRpcHandler):
         return grpc.unary_unary_rpc_method_handler(partial(self._unary, details.method))
 
     def _unary(self, method: str, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        if method in self._commands:
+            names = self._names(context)
+            if len(names) > 1:
+                return self._to_each(method, names, raw, context)
         member, channel = self._route(context)
         call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(method)
         try:
@@ -178,6 +196,35 @@ class Proxy(grpc.GenericRpcHandler):
             if context.is_active():
                 _pass_on(err, member, context)
 
+    def _to_each(
+        self, method: str, names: list[str], raw: bytes, context: grpc.ServicerContext
+    ) -> bytes:
+        """A command for several members: sent to all at once, each call naming its member."""
+        timeout = _kept_back(context)
+        metadata = tuple((k, v) for k, v in _metadata(context) if k != MEMBER_KEY)
+        calls = {}
+        for name in names:
+            call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = self._channels[name].unary_unary(
+                method
+            )
+            calls[name] = call.future(
+                raw, timeout=timeout, metadata=(*metadata, (MEMBER_KEY, name))
+            )
+        answer, failed = b"", {}
+        for name, future in calls.items():
+            try:
+                answer = bytes(future.result())
+            except grpc.RpcError as err:
+                failed[name] = err
+        if not failed:
+            return answer
+        codes = [err.code() for err in failed.values()]
+        code = next((c for c in codes if c in _MAY_ANSWER_LATER), codes[0])
+        context.abort(code, "; ".join(
+            f"member {name}: {err.code().name}: {err.details() or ''}"
+            for name, err in failed.items()
+        ))  # fmt: skip
+
     def _pod_status(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         """Every member's `GetStatus`, asked of all at once with the caller's metadata and
         deadline; a member whose call fails is named with its error."""
@@ -185,9 +232,7 @@ class Proxy(grpc.GenericRpcHandler):
             pb.GetStatusRequest.FromString(raw)
         except Exception as err:  # protobuf's DecodeError
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: {err}")
-        timeout, metadata = _remaining(context), _metadata(context)
-        if timeout is not None:  # kept back to answer with the statuses that came
-            timeout -= min(_POD_STATUS_MARGIN, timeout / 4)
+        timeout, metadata = _kept_back(context), _metadata(context)
         calls = {}
         for name, channel in self._channels.items():
             call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(_GET_STATUS)
@@ -224,21 +269,32 @@ class Proxy(grpc.GenericRpcHandler):
         return bytes(pb.RotateCertificateResponse().SerializeToString())
 
     def _route(self, context: grpc.ServicerContext) -> tuple[str, grpc.Channel]:
-        names = [str(v) for k, v in context.invocation_metadata() or () if k == MEMBER_KEY]
-        members = ", ".join(self._channels)
+        names = self._names(context)
         if len(names) != 1:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"{MEMBER_KEY}: one required, naming the member the call is for "
+                f"{MEMBER_KEY}: one required, naming the member the call is for (only a "
+                f"command may name several; this pod's members: {', '.join(self._channels)})",
+            )
+        return names[0], self._channels[names[0]]
+
+    def _names(self, context: grpc.ServicerContext) -> list[str]:
+        """The members a call names: at least one, each of this pod, none twice."""
+        names = [str(v) for k, v in context.invocation_metadata() or () if k == MEMBER_KEY]
+        members = ", ".join(self._channels)
+        if not names or len(set(names)) != len(names):
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{MEMBER_KEY}: required, naming each member the call is for once "
                 f"(this pod's: {members})",
             )
-        channel = self._channels.get(names[0])
-        if channel is None:
-            context.abort(
-                grpc.StatusCode.NOT_FOUND,
-                f"{MEMBER_KEY}: no member {names[0]!r} in this pod (its members: {members})",
-            )
-        return names[0], channel
+        for name in names:
+            if name not in self._channels:
+                context.abort(
+                    grpc.StatusCode.NOT_FOUND,
+                    f"{MEMBER_KEY}: no member {name!r} in this pod (its members: {members})",
+                )
+        return names
 
     def close(self) -> None:
         for channel in self._channels.values():
@@ -252,6 +308,12 @@ def _metadata(context: grpc.ServicerContext) -> tuple[tuple[str, str | bytes], .
 def _remaining(context: grpc.ServicerContext) -> float | None:
     seconds = context.time_remaining()
     return None if seconds is None or seconds > _NO_DEADLINE else seconds
+
+
+def _kept_back(context: grpc.ServicerContext) -> float | None:
+    """The deadline of the calls to several members: the caller's, less `_ANSWER_MARGIN`."""
+    seconds = _remaining(context)
+    return None if seconds is None else seconds - min(_ANSWER_MARGIN, seconds / 4)
 
 
 def _pass_on(err: grpc.RpcError, member: str, context: grpc.ServicerContext) -> NoReturn:

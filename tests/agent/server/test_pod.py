@@ -158,6 +158,29 @@ def test_each_member_answers_through_the_pods_port(pod: Agent) -> None:
     # A member's own refusal comes back as it gave it.
     err = pod.refused("Release", pb.ReleaseRequest(saved=-1), metadata=metadata(MEMBERS[1]))
     assert err.code() == Code.INVALID_ARGUMENT and "saved=-1" in (err.details() or ""), err
+    # A command may name several members: it goes to each, and is answered once all took it,
+    # else with each one's failure named; a call that is no command names one member only.
+    both = (("authorization", f"Bearer {TOKEN}"), *((MEMBER_KEY, m) for m in MEMBERS))
+    assert pod.call("Abort", pb.AbortRequest(epoch=1000), metadata=both) == pb.AbortResponse()
+    err = pod.refused("Release", pb.ReleaseRequest(saved=-1), metadata=both)
+    assert err.code() == Code.INVALID_ARGUMENT, err
+    assert all(f"member {m}: INVALID_ARGUMENT" in (err.details() or "") for m in MEMBERS), err
+    err = pod.refused("GetStatus", pb.GetStatusRequest(), metadata=both)
+    assert err.code() == Code.INVALID_ARGUMENT and "only a command" in (err.details() or ""), err
+    twice = (both[0], (MEMBER_KEY, MEMBERS[0]), (MEMBER_KEY, MEMBERS[0]))
+    err = pod.refused("Abort", pb.AbortRequest(epoch=1000), metadata=twice)
+    assert err.code() == Code.INVALID_ARGUMENT and "once" in (err.details() or ""), err
+    # One member that does not answer in time: the answer says so, in time, with the code of a
+    # call to send again.
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        err = pod.refused("Release", pb.ReleaseRequest(saved=-1), metadata=both, timeout=2)
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+    assert err.code() == Code.DEADLINE_EXCEEDED, err
+    details = err.details() or ""
+    assert f"member {MEMBERS[0]}: INVALID_ARGUMENT" in details, err
+    assert f"member {MEMBERS[1]}: DEADLINE_EXCEEDED" in details, err
 
 
 def test_the_pods_metrics_merge_its_members(pod: Agent) -> None:
