@@ -333,13 +333,14 @@ class Executor:
 
 
 def by_pod(prepares: list[Prepare]) -> list[list[Prepare]]:
-    """`prepares` grouped by their member's pod, each pod's in one group: a pod of several
-    members takes them in one call (its proxy passes it on to each)."""
+    """`prepares` grouped by their epoch and their member's pod: a pod of several members takes
+    its members' Prepare in one call (its proxy passes it on to each)."""
     owners: dict[int, dict[str, str]] = {}  # by the Prepares' `pods`, one dict each, built once
-    groups: dict[str, list[Prepare]] = {}
+    groups: dict[tuple[int, str], list[Prepare]] = {}
     for prepare in prepares:
         owner = owners.get(id(prepare.pods))
         if owner is None:
             owner = owners[id(prepare.pods)] = dict(prepare.pods)
-        groups.setdefault(owner.get(prepare.member, prepare.member), []).append(prepare)
+        pod = owner.get(prepare.member, prepare.member)
+        groups.setdefault((prepare.epoch, pod), []).append(prepare)
     return list(groups.values())
