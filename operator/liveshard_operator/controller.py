@@ -97,11 +97,11 @@ class JobController:
         self.metrics.forget(self.job)
 
     def wait(self, wake: threading.Event, seconds: float) -> None:
-        """The wait after a pass: until `wake` is set or `seconds` passed (`RESEND`, doubled for
-        each earlier pass in a row that did so, at most when a Prepare or commit of the pass
-        failed where the agent may answer later), or, while a
-        reconfiguration is in flight, its watched member's verdict changed (`sentinel`); with
-        nothing in flight, `IDLE_STRETCH` times the pass's length at least."""
+        """The wait after a pass: until `wake` is set or `seconds` passed (`RESEND` at most when
+        a Prepare or commit of the pass failed where the agent may answer later, doubled for
+        each pass before it in a row that did so), or, while a reconfiguration is in flight, its
+        watched member's verdict changed (`sentinel`); with nothing in flight, `IDLE_STRETCH`
+        times the pass's length at least."""
         if self.unsent_passes:
             seconds = min(seconds, RESEND * 2 ** (self.unsent_passes - 1))
         elif not self.in_flight:

@@ -169,11 +169,10 @@ class Proxy(grpc.GenericRpcHandler):
         return grpc.unary_unary_rpc_method_handler(partial(self._unary, details.method))
 
     def _unary(self, method: str, raw: bytes, context: grpc.ServicerContext) -> bytes:
-        if method in self._commands:
-            names = self._names(context)
-            if len(names) > 1:
-                return self._to_each(method, names, raw, context)
-        member, channel = self._route(context)
+        names = self._names(context)
+        if len(names) > 1 and method in self._commands:
+            return self._to_each(method, names, raw, context)
+        member, channel = self._route(names, context)
         call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(method)
         try:
             answer = bytes(call(raw, timeout=_remaining(context), metadata=_metadata(context)))
@@ -182,7 +181,7 @@ class Proxy(grpc.GenericRpcHandler):
         return self._stamped(answer) if method == _GET_STATUS else answer
 
     def _stream(self, method: str, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
-        member, channel = self._route(context)
+        member, channel = self._route(self._names(context), context)
         call: grpc.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream(method)
         answers = call(raw, timeout=_remaining(context), metadata=_metadata(context))
 
@@ -204,9 +203,8 @@ class Proxy(grpc.GenericRpcHandler):
         metadata = tuple((k, v) for k, v in _metadata(context) if k != MEMBER_KEY)
         calls = {}
         for name in names:
-            call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = self._channels[name].unary_unary(
-                method
-            )
+            channel = self._channels[name]
+            call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(method)
             calls[name] = call.future(
                 raw, timeout=timeout, metadata=(*metadata, (MEMBER_KEY, name))
             )
@@ -268,8 +266,8 @@ class Proxy(grpc.GenericRpcHandler):
         log.info("the pod's serving certificate rotated: new connections get %s", served[:16])
         return bytes(pb.RotateCertificateResponse().SerializeToString())
 
-    def _route(self, context: grpc.ServicerContext) -> tuple[str, grpc.Channel]:
-        names = self._names(context)
+    def _route(self, names: list[str], context: grpc.ServicerContext) -> tuple[str, grpc.Channel]:
+        """The one member a call names (`_names`), and its channel."""
         if len(names) != 1:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
