@@ -18,10 +18,10 @@ from __future__ import annotations
 import base64
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, assert_never
+from typing import Any, TypeVar, assert_never
 
 import grpc
 
@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 RECHECK = 10.0
 # The actions of a decision's `after` that go to agents, which the executor sends at once.
 _AGENT_CALLS = (Prepare, ReleaseMember, CommitOn)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -204,7 +205,8 @@ class Executor:
             for a in decision.after
             if isinstance(a, _AGENT_CALLS) and not isinstance(a, Prepare)
         ]
-        pods = by_pod([a for a in decision.after if isinstance(a, Prepare)])
+        prepares = [a for a in decision.after if isinstance(a, Prepare)]
+        pods = by_pod(prepares, lambda p: (p.epoch, decision.seen.pod_name(p.member)))
         calls += [partial(self._prepare, pod) for pod in pods]
         fan_out(lambda call: call(), calls, max(map(len, pods), default=1))
         for action in decision.after:
@@ -224,19 +226,15 @@ class Executor:
             return hosted(decision, store)
         if isinstance(ask, Checkpoint):
 
-            def take(member: str) -> bool:
-                try:
-                    self.clients[member].checkpoint(
-                        ask.number, ask.path, ask.at_step, ask.export_to
-                    )
-                except (AgentError, KeyError) as err:
-                    log.warning(
-                        "job %s: checkpoint %s on %s: %s", self.name, ask.number, member, err
-                    )
-                    return False
-                return True
+            def send(client: AgentClient, names: list[str]) -> None:
+                client.checkpoint(ask.number, ask.path, ask.at_step, ask.export_to, names)
 
-            return checkpointed(decision, taken=all(fan_out(take, list(ask.members))))
+            def take(members: list[str]) -> bool:
+                return not self._to_pod(members, f"checkpoint {ask.number}", send)
+
+            pods = by_pod(ask.members, decision.seen.pod_name)
+            taken = all(fan_out(take, pods, max(map(len, pods), default=1)))
+            return checkpointed(decision, taken=taken)
         return decision
 
     def _do(self, decision: Decision, action: Action) -> None:
@@ -292,9 +290,7 @@ class Executor:
             log.info("job %s: releasing %s: %s", self.name, member, err)
 
     def _prepare(self, prepares: list[Prepare]) -> None:
-        """One reconfiguration's Prepare to members of one pod, in one call; where that call
-        fails for good (a member refused it, or the pod's proxy is of a version that takes one
-        member a call), to each member in a call of its own, so that each says how it ended."""
+        """One reconfiguration's Prepare to members of one pod (`_to_pod`)."""
         # A reconfiguration's Prepares differ only in their member: the request is made once
         # (made for each of 1024 members, they cost the operator 0.36 s of CPU).
         first = prepares[0]
@@ -302,24 +298,40 @@ class Executor:
         made = self._made
         if made is None or made[0] != key:
             made = self._made = (key, prepare_request(key))
+        request = made[1]
+
+        def send(client: AgentClient, names: list[str]) -> None:
+            client.prepare(request, names)
+
         members = [p.member for p in prepares]
+        for err in self._to_pod(members, f"epoch {first.epoch}: prepare", send):
+            self._failed(err)
+
+    def _to_pod(
+        self, members: list[str], what: str, send: Callable[[AgentClient, list[str]], None]
+    ) -> list[Exception]:
+        """`send` a command to `members`, of one pod: in one call naming them all when several
+        (the pod's proxy passes it on to each); where that call fails for good (a member
+        refused it, or the proxy is of a version that takes one member a call), in a call of
+        its own to each, so that each says how it ended. The failures, each logged (none: every
+        member took it)."""
         if len(members) > 1:
             try:
-                self.clients[members[0]].prepare(made[1], members)
-                return
-            except AgentError as err:
-                if err.retryable:
-                    self._failed(err)
-                    log.warning("job %s: epoch %s: prepare: %s", self.name, first.epoch, err)
-                    return
-                log.info("job %s: epoch %s: prepare, one call a member: %s", self.name,
-                         first.epoch, err)  # fmt: skip
+                send(self.clients[members[0]], members)
+                return []
+            except (AgentError, KeyError) as err:
+                if not isinstance(err, AgentError) or err.retryable:
+                    log.warning("job %s: %s: %s", self.name, what, err)
+                    return [err]
+                log.info("job %s: %s, one call a member: %s", self.name, what, err)
+        failed: list[Exception] = []
         for member in members:
             try:
-                self.clients[member].prepare(made[1])
-            except AgentError as err:
-                self._failed(err)
-                log.warning("job %s: epoch %s: prepare: %s", self.name, first.epoch, err)
+                send(self.clients[member], [])
+            except (AgentError, KeyError) as err:
+                log.warning("job %s: %s on %s: %s", self.name, what, member, err)
+                failed.append(err)
+        return failed
 
     def _failed(self, err: Exception) -> None:
         if isinstance(err, AgentError) and err.retryable:
@@ -332,15 +344,10 @@ class Executor:
             log.warning("job %s: posting event %s: %s", self.name, event.reason, err)
 
 
-def by_pod(prepares: list[Prepare]) -> list[list[Prepare]]:
-    """`prepares` grouped by their epoch and their member's pod: a pod of several members takes
-    its members' Prepare in one call (its proxy passes it on to each)."""
-    owners: dict[int, dict[str, str]] = {}  # by the Prepares' `pods`, one dict each, built once
-    groups: dict[tuple[int, str], list[Prepare]] = {}
-    for prepare in prepares:
-        owner = owners.get(id(prepare.pods))
-        if owner is None:
-            owner = owners[id(prepare.pods)] = dict(prepare.pods)
-        pod = owner.get(prepare.member, prepare.member)
-        groups.setdefault((prepare.epoch, pod), []).append(prepare)
+def by_pod(items: Iterable[T], pod: Callable[[T], Hashable]) -> list[list[T]]:
+    """`items` grouped by their `pod`, in the order of each group's first: a pod of several
+    members takes a command for all of them in one call (its proxy passes it on to each)."""
+    groups: dict[Hashable, list[T]] = {}
+    for item in items:
+        groups.setdefault(pod(item), []).append(item)
     return list(groups.values())

@@ -134,11 +134,14 @@ class AgentClient:
     def abort(self, epoch: int) -> None:
         self._call("Abort", pb.AbortRequest(epoch=epoch))
 
-    def checkpoint(self, number: int, path: str, at_step: int, export_to: str = "") -> None:
+    def checkpoint(
+        self, number: int, path: str, at_step: int, export_to: str = "", members: Sequence[str] = ()
+    ) -> None:
+        """Ask for a checkpoint; given `members`, of them all in one call (as `prepare`)."""
         request = pb.CheckpointRequest(
             number=number, path=path, at_step=at_step, export_to=export_to
         )
-        self._call("Checkpoint", request)
+        self._call("Checkpoint", request, members)
 
     def release(self, saved: int = 0, discard: bool = False) -> None:
         self._call("Release", pb.ReleaseRequest(saved=saved, discard=discard))

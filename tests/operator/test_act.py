@@ -9,6 +9,7 @@ import copy
 import datetime
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -105,18 +106,24 @@ class FakeAgent:
         self._call("host_store", epoch)
         return ("10.0.0.0", 7000 + epoch)
 
-    def prepare(self, request: pb.PrepareRequest, members: tuple[str, ...] = ()) -> None:
-        """Logged once per member it is for, with the members the call named (none: its own)."""
-        store = (request.store.host, request.store.port)
+    def _command(self, method: str, members: Sequence[str], *args: Any) -> None:
+        """A command, logged once per member it is for, with the members the call named (none:
+        its own) last."""
         for member in members[1:]:
-            self.calls.append(("prepare", member, request.epoch, store, request, tuple(members)))
-        self._call("prepare", request.epoch, store, request, tuple(members))
+            self.calls.append((method, member, *args, tuple(members)))
+        self._call(method, *args, tuple(members))
+
+    def prepare(self, request: pb.PrepareRequest, members: Sequence[str] = ()) -> None:
+        store = (request.store.host, request.store.port)
+        self._command("prepare", members, request.epoch, store, request)
 
     def abort(self, epoch: int) -> None:
         self._call("abort", epoch)
 
-    def checkpoint(self, number: int, path: str, at_step: int, export_to: str = "") -> None:
-        self._call("checkpoint", number)
+    def checkpoint(
+        self, number: int, path: str, at_step: int, export_to: str = "", members: Sequence[str] = ()
+    ) -> None:
+        self._command("checkpoint", members, number)
 
     def release(self, saved: int = 0) -> None:
         self._call("release")

@@ -6,7 +6,9 @@ tests/agent/server/test_pod.py and the whole on the local cluster in tests/e2e."
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import grpc
@@ -15,6 +17,7 @@ from liveshard_operator import policy, render
 from liveshard_operator.actions import (
     Action,
     Begin,
+    Checkpoint,
     CreatePod,
     DeletePod,
     LabelPod,
@@ -280,13 +283,38 @@ def test_pods_whose_mirror_pairs_share_a_node_are_not_split_but_reported() -> No
     assert (degraded["status"], degraded["reason"]) == ("True", "MirrorPairsOnOneNode")
 
 
+def test_a_checkpoint_is_asked_of_each_pod_in_one_call() -> None:
+    the_job = two_per_pod(2)
+    seen_ = _training(1, "p0 p1")
+    steady = decide(seen_, Record(world=World.of(1, _layout(the_job, "p0 p1"))), the_job, NOW)
+    ask = Checkpoint(tuple(f"{p}-{k}" for p in ("p0", "p1") for k in range(2)), 3, "/ckpt", 9)
+    refused = ("checkpoint:FAILED_PRECONDITION",)
+    for agent, recorded in (
+        (FakeAgent, 3),
+        (OneAtATime, 3),
+        (partial(FakeAgent, refuse=refused), 0),
+    ):
+        calls: Calls = []
+        run = executor(calls, seen_)
+        run.clients.update({m: agent(m, calls) for m in run.clients})
+        done = run.run(replace(steady, ask=ask))
+        asked = [c for c in calls if c[0] == "checkpoint"]
+        assert set(c[1] for c in asked) == set(ask.members), agent
+        if agent is FakeAgent:  # one call a pod, naming both its members
+            pairs = [("p0-0", "p0-1"), ("p1-0", "p1-1")]
+            assert sorted(c[-1] for c in asked) == sorted(2 * pairs)
+        if agent is OneAtATime:  # refused as one call: then one call a member
+            assert all(c[-1] == () for c in asked)
+        assert done.record.checkpoint_asked == recorded, agent
+
+
 class OneAtATime(FakeAgent):
     """An agent behind a proxy that takes one member a call."""
 
-    def prepare(self, request: pb.PrepareRequest, members: tuple[str, ...] = ()) -> None:
+    def _command(self, method: str, members: Sequence[str], *args: Any) -> None:
         if members:
             raise AgentError(self.member, grpc.StatusCode.INVALID_ARGUMENT, "one required")
-        super().prepare(request)
+        super()._command(method, members, *args)
 
 
 def test_a_change_tells_every_member_the_pods_its_plan_takes_bytes_inside() -> None:
