@@ -198,50 +198,55 @@ class Proxy(grpc.GenericRpcHandler):
     def _to_each(
         self, method: str, names: list[str], raw: bytes, context: grpc.ServicerContext
     ) -> bytes:
-        """A command for several members: sent to all at once, each call naming its member."""
-        timeout = _kept_back(context)
-        metadata = tuple((k, v) for k, v in _metadata(context) if k != MEMBER_KEY)
-        calls = {}
-        for name in names:
-            channel = self._channels[name]
-            call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(method)
-            calls[name] = call.future(
-                raw, timeout=timeout, metadata=(*metadata, (MEMBER_KEY, name))
-            )
-        answer, failed = b"", {}
-        for name, future in calls.items():
-            try:
-                answer = bytes(future.result())
-            except grpc.RpcError as err:
-                failed[name] = err
-        if not failed:
-            return answer
-        codes = [err.code() for err in failed.values()]
-        code = next((c for c in codes if c in _MAY_ANSWER_LATER), codes[0])
-        context.abort(code, "; ".join(
-            f"member {name}: {err.code().name}: {err.details() or ''}"
-            for name, err in failed.items()
-        ))  # fmt: skip
+        """A command for several members (`_ask_each`): their answer when every one took it."""
+        answers = self._ask_each(method, names, raw, context)
+        failed = {n: a for n, a in answers.items() if isinstance(a, grpc.RpcError)}
+        if failed:
+            codes = [err.code() for err in failed.values()]
+            code = next((c for c in codes if c in _MAY_ANSWER_LATER), codes[0])
+            context.abort(code, "; ".join(
+                f"member {name}: {err.code().name}: {err.details() or ''}"
+                for name, err in failed.items()
+            ))  # fmt: skip
+        return next(a for a in answers.values() if isinstance(a, bytes))
 
     def _pod_status(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
-        """Every member's `GetStatus`, asked of all at once with the caller's metadata and
-        deadline; a member whose call fails is named with its error."""
+        """Every member's `GetStatus` (`_ask_each`); a member whose call fails is named with its
+        error."""
         try:
             pb.GetStatusRequest.FromString(raw)
         except Exception as err:  # protobuf's DecodeError
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: {err}")
-        timeout, metadata = _kept_back(context), _metadata(context)
-        calls = {}
-        for name, channel in self._channels.items():
-            call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(_GET_STATUS)
-            calls[name] = call.future(raw, timeout=timeout, metadata=metadata)
         pod = pb.PodStatus()
+        for name, answer in self._ask_each(_GET_STATUS, list(self._channels), raw, context).items():
+            if isinstance(answer, grpc.RpcError):
+                pod.unanswered[name] = f"{answer.code().name}: {answer.details() or ''}"
+            else:
+                pod.members.append(pb.AgentStatus.FromString(self._stamped(answer)))
+        return bytes(pod.SerializeToString())
+
+    def _ask_each(
+        self, method: str, names: list[str], raw: bytes, context: grpc.ServicerContext
+    ) -> dict[str, bytes | grpc.RpcError]:
+        """`raw` to each of the members `names` at once, with the caller's metadata (each call
+        naming its member) and deadline less `_ANSWER_MARGIN`; each one's answer or error."""
+        timeout = _kept_back(context)
+        metadata = tuple((k, v) for k, v in _metadata(context) if k != MEMBER_KEY)
+        calls = {}
+        for name in names:
+            call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = self._channels[name].unary_unary(
+                method
+            )
+            calls[name] = call.future(
+                raw, timeout=timeout, metadata=(*metadata, (MEMBER_KEY, name))
+            )
+        answers: dict[str, bytes | grpc.RpcError] = {}
         for name, future in calls.items():
             try:
-                pod.members.append(pb.AgentStatus.FromString(self._stamped(future.result())))
+                answers[name] = bytes(future.result())
             except grpc.RpcError as err:
-                pod.unanswered[name] = f"{err.code().name}: {err.details() or ''}"
-        return bytes(pod.SerializeToString())
+                answers[name] = err
+        return answers
 
     def _stamped(self, raw: bytes) -> bytes:
         """A member's status with the pod's certificate in it (none in plaintext)."""
