@@ -86,8 +86,9 @@ class AgentClient:
             options = [("grpc.ssl_target_name_override", tls.server_name)]
             self.channel = grpc.secure_channel(target, credentials, options)
         self.stub = pb_grpc.AgentStub(self.channel)  # type: ignore[no-untyped-call]  # generated
+        self.auth = ("authorization", f"Bearer {token}")
         # The member's name routes the call to it inside a pod of several members.
-        self.metadata = (("authorization", f"Bearer {token}"), (MEMBER_KEY, member))
+        self.metadata = (self.auth, (MEMBER_KEY, member))
 
     def close(self) -> None:
         self.channel.close()
@@ -96,7 +97,7 @@ class AgentClient:
         """Call `method` on this client's member, or on `members` (of its pod) at once."""
         metadata: tuple[tuple[str, str], ...] = self.metadata
         if members:
-            metadata = (metadata[0], *((MEMBER_KEY, m) for m in members))
+            metadata = (self.auth, *((MEMBER_KEY, m) for m in members))
         try:
             return getattr(self.stub, method)(request, timeout=self.timeout, metadata=metadata)
         except grpc.RpcError as err:
