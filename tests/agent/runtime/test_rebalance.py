@@ -65,11 +65,10 @@ def test_frozen_layers_cost_less_and_the_job_packs_onto_fewer_members() -> None:
     steps = [e for e in events if e["event"] == "step"]
     assert [e["step"] for e in steps] == list(range(20))  # it trains on to its end
     # The three frozen layers run no backward: they cost less than the one that trains (about a
-    # third). Each layer's fastest step is compared, and the frozen layers' mean: 4 processes
-    # share 2 cores, and a busy core only adds time, at times to one layer of the one step
-    # measured before the first switch.
-    measured = [e["layer_seconds"] for e in steps[4:] if e["layout"].endswith("1:1:1:1")]
-    assert measured, "the first switch came before any frozen step was measured"
+    # third), in every layout. Each layer's fastest frozen step is compared, and the frozen
+    # layers' mean: 4 processes share 2 cores, and a busy core only adds time, at times to one
+    # layer of a step, so one step alone may show no difference.
+    measured = [e["layer_seconds"] for e in steps[4:]]
     fastest = [min(s[i] for s in measured) for i in range(4)]
     assert sum(fastest[:3]) / 3 < 0.8 * fastest[3], measured
     packs = [s for s in switches(events) if s["trigger"] == "pack"]
