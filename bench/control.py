@@ -15,8 +15,9 @@ For each size, in one run:
 - steady: one reconcile pass with nothing to do (best and median of 10), and its API requests
   and agent calls;
 - shrink by 1/64 of the members (at least one pod) and grow back: from the spec change to the
-  reconfiguration recorded as committed in the job's status, with the passes it took, the API
-  requests and agent calls made meanwhile. Nothing is transferred, so this is the control
+  reconfiguration recorded as committed in the job's status, with the passes it took (each
+  pass's seconds, in all and in its stages: `pass_stage_seconds`), the API requests and agent
+  calls made meanwhile. Nothing is transferred, so this is the control
   overhead of a reconfiguration: the operator's passes, the agents' prepare, the members'
   agreement on the switch step (they switch two steps after every one is prepared: one to two
   step times of it are the step boundary, which a real job waits for too) and the commit seen;
@@ -81,6 +82,7 @@ from liveshard_operator import agents
 from liveshard_operator.controller import JobController
 from liveshard_operator.handlers import PERIOD
 from liveshard_operator.kube import ApiError, Kube
+from liveshard_operator.metrics import STAGES
 from liveshard_operator.publish import merge_patch
 from liveshard_operator.render import GROUP, PLURAL, VERSION
 
@@ -260,13 +262,16 @@ def training(kube: SimKube, members: int) -> bool:
     return world is not None and len(world["members"]) == members and not seen.get("inFlight")
 
 
-def loop(kube: SimKube, controller: JobController, more: Callable[[], bool]) -> list[float]:
+def loop(
+    kube: SimKube, controller: JobController, more: Callable[[], bool]
+) -> list[dict[str, float]]:
     """Run passes as the operator's job loop does while `more()`: at once when the job or a pod
     changed since the last pass began (the watch wakes the loop) but for the pass's own quiet
     write, else when the member the wait follows has news (`sentinel`), else `PERIOD` after it
     (longer after a long pass with nothing in flight: `JobController.wait`); each pass's
-    seconds."""
-    pass_seconds, began = [], time.perf_counter()
+    seconds, in all and in each of its stages (the operator's `pass_stage_seconds`)."""
+    passes: list[dict[str, float]] = []
+    began = time.perf_counter()
     kube.changed.set()
     while more():
         controller.wait(kube.changed, max(0.0, PERIOD - (time.perf_counter() - began)))
@@ -274,13 +279,28 @@ def loop(kube: SimKube, controller: JobController, more: Callable[[], bool]) -> 
         with kube.lock:
             kube.news.clear()
             kube.changed.clear()
+        stages = _stage_seconds(controller)
         controller.reconcile()
         with kube.lock:  # the pass's own quiet write wakes nothing (`JobLoop.own_write`)
             kube.news.discard(controller.executor.quiet or "")
             if not kube.news:
                 kube.changed.clear()
-        pass_seconds.append(time.perf_counter() - began)
-    return pass_seconds
+        after = _stage_seconds(controller)
+        passes.append({"seconds": round(time.perf_counter() - began, 3)})
+        passes[-1].update({k: round(after[k] - stages[k], 3) for k in STAGES})
+    return passes
+
+
+def _stage_seconds(controller: JobController) -> dict[str, float]:
+    """The seconds the controller's passes have spent in each stage so far."""
+    registry = controller.metrics.registry
+    return {
+        stage: registry.get_sample_value(
+            "liveshard_operator_pass_stage_seconds_sum", {"job": controller.job, "stage": stage}
+        )
+        or 0.0
+        for stage in STAGES
+    }
 
 
 def astray(controller: JobController, seen: dict[str, Any]) -> list[str]:
@@ -317,17 +337,18 @@ def until(kube: SimKube, controller: JobController, calls: Calls, members: int,
             )
         return not training(kube, members)
 
-    pass_seconds = loop(kube, controller, more)
-    passes = len(pass_seconds)
+    passes = loop(kube, controller, more)
+    pass_seconds = [p["seconds"] for p in passes]
     return {
         "began": wall,
         "prepared": calls.returned.get("Prepare", 0.0),  # when the last Prepare was taken
         "seconds": round(time.perf_counter() - start, 3),
         "operator_cpu_seconds": round(time.process_time() - cpu, 3),
         "machine_busy_cores": _busy_cores(busy, start),
-        "passes": passes,
+        "passes": len(passes),
         "pass_seconds_total": round(sum(pass_seconds), 3),
         "pass_seconds_max": round(max(pass_seconds, default=0.0), 3),
+        "pass_stage_seconds": passes,
         "api_requests": dict(kube.requests - requests),
         "agent_calls": dict(calls.count - agent_calls),
         "prepare_call_seconds": _spread(calls.prepare_seconds[prepares:]),

@@ -150,15 +150,18 @@ class JobController:
         except CertificatesPending as err:  # cert-manager has not issued them yet
             return self._not_runnable(body, str(err), "CertificatesPending")
         token = self.executor.token()
-        seen = observe(
-            self.kube, self.namespace, self.name, token, spec.port, self.clients,
-            self.executor.certificates.client_tls,
-        )  # fmt: skip
+        with self.metrics.stage(self.job, "observe"):
+            seen = observe(
+                self.kube, self.namespace, self.name, token, spec.port, self.clients,
+                self.executor.certificates.client_tls,
+            )  # fmt: skip
         self.executor.certificates.rotate(body, seen)
         record = Record.from_status(status)
-        # The time is read once, after observing, so that every rule of the pass sees the same.
-        decision = decide(seen, record, Job(body, spec, model), time.time())
-        plan = self.executor.run(decision).record.in_flight
+        with self.metrics.stage(self.job, "decide"):
+            # The time is read once, after observing, so that every rule sees the same.
+            decision = decide(seen, record, Job(body, spec, model), time.time())
+        with self.metrics.stage(self.job, "act"):
+            plan = self.executor.run(decision).record.in_flight
         self.in_flight = plan is not None
         self.watched = sentinel.follow(plan, seen, self.clients) if plan else None
         # As decided: a reconfiguration this pass begins counts as in flight from the next pass.

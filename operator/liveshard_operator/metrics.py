@@ -1,6 +1,6 @@
-"""The operator's Prometheus metrics: how long each reconcile pass took and whether it failed,
-each job's members by their agents' phase, whether a reconfiguration is in flight, and the jobs
-by phase, served at `/metrics` on a port of its own.
+"""The operator's Prometheus metrics: how long each reconcile pass and each of its stages took
+and whether it failed, each job's members by their agents' phase, whether a reconfiguration is in
+flight, and the jobs by phase, served at `/metrics` on a port of its own.
 
 `Metrics` takes what a pass saw and decided (`JobController` calls it; docs/metrics.md lists the
 series). A job's series are labelled `job` = namespace/name and removed when the job's
@@ -33,6 +33,8 @@ MEMBER_PHASES = (
 )
 # A pass reads the API server and asks agents within their deadlines: milliseconds to a minute.
 _PASS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# A pass's stages (`stage`): reading the pods and asking the agents, deciding, carrying it out.
+STAGES = ("observe", "decide", "act")
 
 
 @dataclass
@@ -41,14 +43,19 @@ class Timed:
 
 
 class Metrics:
-    """The operator's series, in `registry`. `timing` wraps a pass, `decided` and `unobserved`
-    take what it found, `forget` drops a job that is gone."""
+    """The operator's series, in `registry`. `timing` wraps a pass and `stage` each of its
+    stages, `decided` and `unobserved` take what it found, `forget` drops a job that is gone."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.reconcile_seconds = Histogram(
             "liveshard_operator_reconcile_seconds", "Seconds each reconcile pass of a job took.",
             ("job",), registry=self.registry, buckets=_PASS_BUCKETS,
+        )  # fmt: skip
+        self.stage_seconds = Histogram(
+            "liveshard_operator_pass_stage_seconds",
+            "Seconds each stage of a job's reconcile passes took (observe, decide, act).",
+            ("job", "stage"), registry=self.registry, buckets=_PASS_BUCKETS,
         )  # fmt: skip
         self.reconcile_errors = Counter(
             "liveshard_operator_reconcile_errors", "Reconcile passes of a job that raised.",
@@ -93,6 +100,15 @@ class Metrics:
             timed.seconds = time.monotonic() - start
             self.reconcile_seconds.labels(job).observe(timed.seconds)
 
+    @contextmanager
+    def stage(self, job: str, stage: str) -> Iterator[None]:
+        """Time one of a pass's `STAGES`, run inside (also when it raises)."""
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self.stage_seconds.labels(job, stage).observe(time.monotonic() - start)
+
     def decided(self, job: str, decision: Decision) -> None:
         """What a pass that observed the job found: its members' phases, whether its record has
         a reconfiguration in flight, and the phase its status will say."""
@@ -117,6 +133,8 @@ class Metrics:
         self._drop_members(job)
         self.reconcile_seconds.remove(job)
         self.reconcile_errors.remove(job)
+        for stage in STAGES:
+            self.stage_seconds.remove(job, stage)
         with self._lock:
             self._phases.pop(job, None)
             self._count_phases()

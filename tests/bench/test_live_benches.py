@@ -85,6 +85,12 @@ def test_control_benchmark_quick(tmp_path: Path, per_pod: int) -> None:
         spread = change["prepare_call_seconds"]
         assert 0 < spread["median"] <= spread["p90"] <= spread["max"], spread
         assert spread["max"] <= parts["prepares_taken"] + 0.01, (spread, parts)
+        # Each pass timed in its stages, which make up most of it: the rest is the loop's.
+        stages = change["pass_stage_seconds"]
+        assert len(stages) == change["passes"] and stages[0]["observe"] > 0, stages
+        for one in stages:
+            within = one["observe"] + one["decide"] + one["act"]
+            assert 0 < within <= one["seconds"] + 0.003, one
     # One status call a pass for each pod: its members' statuses together.
     status = "GetStatus" if per_pod == 1 else "GetPodStatus"
     assert size["steady_pass"]["agent_calls_per_pass"] == {status: 8 / per_pod}

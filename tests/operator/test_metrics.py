@@ -1,13 +1,14 @@
-"""The operator's metrics: each pass timed and a failed one counted, a job's members by their
-agents' phase, its reconfiguration in flight, the jobs by phase, a gone job's series removed,
-the registry served over HTTP, and `liveshard-operator --metrics-port`. Against hand-built
-decisions and the fakes of test_act; no cluster, no agent."""
+"""The operator's metrics: each pass and its stages timed and a failed pass counted, a job's
+members by their agents' phase, its reconfiguration in flight, the jobs by phase, a gone job's
+series removed, the registry served over HTTP, and `liveshard-operator --metrics-port`. Against
+hand-built decisions and the fakes of test_act; no cluster, no agent."""
 
 from __future__ import annotations
 
 import logging
 import re
 import socket
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from liveshard_operator import handlers
 from liveshard_operator import main as main_module
 from liveshard_operator.controller import JobController
 from liveshard_operator.decision import Decision
-from liveshard_operator.metrics import MEMBER_PHASES, Metrics
+from liveshard_operator.metrics import MEMBER_PHASES, STAGES, Metrics
 from liveshard_operator.world import Record
 from prometheus_client import generate_latest
 
@@ -108,13 +109,25 @@ def test_the_controller_records_each_pass_and_forgets_its_job_once_gone(
 ) -> None:
     pods = seen(*(pod(f"p{i}", standby()) for i in range(4)))
     calls: Calls = []
-    monkeypatch.setattr(controller_module, "observe", lambda *_: pods)
+
+    def observe(*_: Any) -> Any:
+        time.sleep(0.05)  # the agents are slow to answer
+        return pods
+
+    monkeypatch.setattr(controller_module, "observe", observe)
     kube = FakeKube(calls, BODY)
     metrics = Metrics()
     controller = JobController(kube, "ns", "tiny", lambda *_: None, metrics)  # type: ignore[arg-type]
     controller.clients.update({m: FakeAgent(m, calls) for m in pods.pods})  # type: ignore[misc]
     assert controller.reconcile()
     assert value(metrics, "liveshard_operator_reconcile_seconds_count", job="ns/tiny") == 1
+    stage = "liveshard_operator_pass_stage_seconds"
+    for name in STAGES:  # each stage of the pass timed once, the slow one where it was slow
+        assert value(metrics, f"{stage}_count", job="ns/tiny", stage=name) == 1
+    assert value(metrics, f"{stage}_sum", job="ns/tiny", stage="observe") >= 0.05  # type: ignore[operator]
+    total = value(metrics, "liveshard_operator_reconcile_seconds_sum", job="ns/tiny")
+    parts = [value(metrics, f"{stage}_sum", job="ns/tiny", stage=name) for name in STAGES]
+    assert sum(parts) <= total  # type: ignore[arg-type]
     assert value(metrics, "liveshard_operator_reconcile_errors_total", job="ns/tiny") == 0
     assert members(metrics, "ns/tiny")["standby"] == 4
     assert value(metrics, "liveshard_operator_jobs", phase="Pending") == 1
@@ -195,7 +208,7 @@ def test_a_taken_metrics_port_is_logged_and_the_operator_runs_on(
 
 def test_every_series_the_operator_exports_is_in_docs_metrics_md() -> None:
     metrics = Metrics()
-    with metrics.timing("ns/tiny"):
+    with metrics.timing("ns/tiny"), metrics.stage("ns/tiny", "decide"):
         metrics.decided("ns/tiny", Decision(job(1), seen(pod("p0", standby())), NOW, Record()))
     metrics.reconcile_errors.labels("ns/tiny").inc()
     names = {  # a histogram by its own name; `_created` samples are prometheus_client's
