@@ -200,15 +200,11 @@ class Executor:
         decision = self._answer(decision)
         written = self.write(decision.status)
         self.quiet = written if decision.record.in_flight is not None or not decision.news else None
-        calls: list[Callable[[], None]] = [
-            partial(self._do, decision, a)
-            for a in decision.after
-            if isinstance(a, _AGENT_CALLS) and not isinstance(a, Prepare)
-        ]
-        prepares = [a for a in decision.after if isinstance(a, Prepare)]
-        pods = by_pod(prepares, lambda p: (p.epoch, decision.seen.pod_name(p.member)))
-        calls += [partial(self._prepare, pod) for pod in pods]
-        fan_out(lambda call: call(), calls, max(map(len, pods), default=1))
+        # An agent call each, but one a pod for the members of a pod of several that are told
+        # the same (the action but for its member).
+        commands = [a for a in decision.after if isinstance(a, _AGENT_CALLS)]
+        pods = by_pod(commands, lambda a: (replace(a, member=""), decision.seen.pod_name(a.member)))
+        fan_out(self._command, pods, max(map(len, pods), default=1))
         for action in decision.after:
             if not isinstance(action, _AGENT_CALLS):
                 self._do(decision, action)
@@ -245,22 +241,13 @@ class Executor:
                 if because:
                     log.warning("job %s: deleting %s: %s", self.name, pod, because)
                 self.kube.delete(self.namespace, "pods", pod)
-            case ReleaseMember(member=member, saved=saved):
-                self._release(member, saved)
+            case ReleaseMember() | CommitOn() | Prepare():
+                self._command([action])
             case LabelPod(pod=pod, role=role):
                 labels = {"metadata": {"labels": {render.ROLE_LABEL: role}}}
                 self.kube.patch(self.namespace, "pods", pod, labels)
-            case Prepare():
-                self._prepare([action])
             case AbortOn():
                 self._abort(action)
-            case CommitOn(member=member, epoch=epoch):
-                try:
-                    self.clients[member].switch(epoch, 0)
-                except (AgentError, KeyError) as err:  # told again on the next pass
-                    self._failed(err)
-                    log.warning("job %s: telling %s that epoch %s committed: %s", self.name,
-                                member, epoch, err)  # fmt: skip
             case Event():
                 self._post(decision, action)
             case _:
@@ -280,14 +267,20 @@ class Executor:
             pass  # no client: the agent never answered
         return None
 
-    def _release(self, member: str, saved: int) -> None:
-        client = self.clients.get(member)
-        if client is None:  # never answered: nothing to release
-            return
-        try:
-            client.release(saved)
-        except AgentError as err:
-            log.info("job %s: releasing %s: %s", self.name, member, err)
+    def _command(self, actions: list[ReleaseMember | CommitOn | Prepare]) -> None:
+        """One kind of agent call, the same but for its member, to members of one pod."""
+        members = [a.member for a in actions]
+        match actions[0]:
+            case Prepare():
+                self._prepare(actions)  # type: ignore[arg-type]
+            case ReleaseMember(saved=saved):
+                members = [m for m in members if m in self.clients]  # else it never answered
+                if members:  # nothing to tell again: a pod that did not take it is deleted
+                    self._to_pod(members, "release", partial(_release, saved=saved))
+            case CommitOn(epoch=epoch):
+                what = f"telling that epoch {epoch} committed"
+                for err in self._to_pod(members, what, partial(_commit, epoch=epoch)):
+                    self._failed(err)  # told again on the next pass
 
     def _prepare(self, prepares: list[Prepare]) -> None:
         """One reconfiguration's Prepare to members of one pod (`_to_pod`)."""
@@ -342,6 +335,14 @@ class Executor:
             self.events(decision.job.body, event.type.value, event.reason, event.message)
         except Exception as err:  # an event is worth a log line, never a failed pass
             log.warning("job %s: posting event %s: %s", self.name, event.reason, err)
+
+
+def _release(client: AgentClient, members: list[str], saved: int) -> None:
+    client.release(saved, members=members)
+
+
+def _commit(client: AgentClient, members: list[str], epoch: int) -> None:
+    client.switch(epoch, 0, members)
 
 
 def by_pod(items: Iterable[T], pod: Callable[[T], Hashable]) -> list[list[T]]:

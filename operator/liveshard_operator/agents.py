@@ -129,8 +129,10 @@ class AgentClient:
         one call, which the pod's proxy passes on to each."""
         self._call("Prepare", request, members)
 
-    def switch(self, epoch: int, at_step: int) -> None:
-        self._call("Switch", pb.SwitchRequest(epoch=epoch, at_step=at_step))
+    def switch(self, epoch: int, at_step: int, members: Sequence[str] = ()) -> None:
+        """Let a prepared epoch switch at `at_step` (a member undecided in it: commit it); given
+        `members`, them all in one call (as `prepare`)."""
+        self._call("Switch", pb.SwitchRequest(epoch=epoch, at_step=at_step), members)
 
     def abort(self, epoch: int) -> None:
         self._call("Abort", pb.AbortRequest(epoch=epoch))
@@ -144,8 +146,10 @@ class AgentClient:
         )
         self._call("Checkpoint", request, members)
 
-    def release(self, saved: int = 0, discard: bool = False) -> None:
-        self._call("Release", pb.ReleaseRequest(saved=saved, discard=discard))
+    def release(self, saved: int = 0, discard: bool = False, members: Sequence[str] = ()) -> None:
+        """Release the member (`saved`, `discard`: see ReleaseRequest); given `members`, them all
+        in one call (as `prepare`)."""
+        self._call("Release", pb.ReleaseRequest(saved=saved, discard=discard), members)
 
     def rotate_certificate(self, cert: bytes, key: bytes, ca: bytes = b"") -> None:
         self._call("RotateCertificate", pb.RotateCertificateRequest(cert=cert, key=key, ca=ca))

@@ -125,8 +125,11 @@ class FakeAgent:
     ) -> None:
         self._command("checkpoint", members, number)
 
-    def release(self, saved: int = 0) -> None:
-        self._call("release")
+    def switch(self, epoch: int, at_step: int, members: Sequence[str] = ()) -> None:
+        self._command("switch", members, epoch, at_step)
+
+    def release(self, saved: int = 0, discard: bool = False, members: Sequence[str] = ()) -> None:
+        self._command("release", members, saved)
 
     def rotate_certificate(self, cert: bytes, key: bytes, ca: bytes = b"") -> None:
         self._call("rotate", pki.fingerprint(cert), len(pki.certificates(ca)))

@@ -18,6 +18,7 @@ from liveshard_operator.actions import (
     Action,
     Begin,
     Checkpoint,
+    CommitOn,
     CreatePod,
     DeletePod,
     LabelPod,
@@ -26,7 +27,7 @@ from liveshard_operator.actions import (
 )
 from liveshard_operator.agents import AgentError
 from liveshard_operator.decide import decide
-from liveshard_operator.decision import hosted
+from liveshard_operator.decision import Decision, hosted
 from liveshard_operator.observation import Job, Observation, Pod
 from liveshard_operator.world import InFlight, Record, World
 
@@ -34,7 +35,7 @@ from liveshard.v1 import agent_pb2 as pb
 from liveshard_core.assign.nodes import mirror_pairs, pairs_on_one_node
 from liveshard_core.errors import InvalidInput
 from liveshard_core.layout.layout import Layout, parse_degrees
-from tests.operator.test_act import Calls, FakeAgent, executor
+from tests.operator.test_act import Calls, FakeAgent, executor, kinds
 from tests.operator.values import NOW, job, pod, seen, standby, switched, training
 
 TP2 = {"parallelism": {"tp": 2, "zero": 1}}
@@ -155,6 +156,35 @@ def test_a_shrink_takes_whole_pods_and_deletes_each_once() -> None:
     ]  # fmt: skip
     assert LabelPod("p2", render.STANDBY) in decision.after
     assert decision.status["replicas"] == 2
+
+
+def test_a_pods_members_are_released_and_told_a_commit_in_one_call() -> None:
+    the_job = two_per_pod(2)
+    seen_ = _training(2, "p0 p1")
+    told = (CommitOn("p0-0", 2), CommitOn("p0-1", 2), CommitOn("p1-0", 2))
+    released = (ReleaseMember("p1-0", 3), ReleaseMember("p1-1", 3), DeletePod("p1"))
+    decision = Decision(the_job, seen_, NOW, Record(), after=(*told, *released))
+    for agent in (FakeAgent, OneAtATime):
+        calls: Calls = []
+        run = executor(calls, seen_)
+        run.clients.update({m: agent(m, calls) for m in run.clients})
+        run.run(decision)
+        switches = sorted(c[1:] for c in calls if c[0] == "switch")
+        releases = sorted(c[1:] for c in calls if c[0] == "release")
+        if agent is FakeAgent:  # one call a pod for each command, naming its members
+            pair = ("p0-0", "p0-1")
+            assert switches == [("p0-0", 2, 0, pair), ("p0-1", 2, 0, pair), ("p1-0", 2, 0, ())]
+            pair = ("p1-0", "p1-1")
+            assert releases == [("p1-0", 3, pair), ("p1-1", 3, pair)]
+        else:  # refused as one call: then one call a member, in the same pass
+            assert switches == [("p0-0", 2, 0, ()), ("p0-1", 2, 0, ()), ("p1-0", 2, 0, ())]
+            assert releases == [("p1-0", 3, ()), ("p1-1", 3, ())]
+        assert kinds(calls)[-1] == "delete p1" and not run.unsent  # deleted once released
+    # A commit a pod may take later (unavailable) is told again on the next pass.
+    calls = []
+    run = executor(calls, seen_, **{"p0-0": ("switch",)})
+    run.run(decision)
+    assert run.unsent and len([c for c in calls if c[0] == "switch"]) == 3
 
 
 def test_a_pod_that_ends_loses_its_members_in_one_recovery() -> None:
