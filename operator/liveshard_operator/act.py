@@ -275,7 +275,7 @@ class Executor:
                 self._prepare(actions)  # type: ignore[arg-type]
             case ReleaseMember(saved=saved):
                 members = [m for m in members if m in self.clients]  # else it never answered
-                if members:  # nothing to tell again: a pod that did not take it is deleted
+                if members:  # not sent again: the member is gone from the job's world
                     self._to_pod(members, "release", partial(_release, saved=saved))
             case CommitOn(epoch=epoch):
                 what = f"telling that epoch {epoch} committed"
