@@ -191,8 +191,14 @@ class Executor:
         """Carry out `decision` (see the module's docstring for the order); the decision carried
         out (a reconfiguration's begin recorded once its store is hosted)."""
         aborts = [a for a in decision.before if isinstance(a, AbortOn)]
-        overtaking = [r for r in fan_out(self._abort, aborts) if r is not None]
-        if overtaking and decision.unaborted is not None:
+        # An abort answered ABORTED (the commit came first) undoes the pass's abort of the
+        # change in flight; one of an epoch given up before (`decide`) undoes nothing.
+        given_up = decision.unaborted.in_flight if decision.unaborted is not None else None
+        overtaking = [
+            answer for abort, answer in zip(aborts, fan_out(self._abort, aborts), strict=True)
+            if answer is not None and given_up is not None and abort.epoch == given_up.epoch
+        ]  # fmt: skip
+        if overtaking:
             decision = overtaken(decision, *overtaking[0])
         for action in decision.before:
             if not isinstance(action, AbortOn):

@@ -42,7 +42,7 @@ from liveshard_core.errors import InvalidInput
 from liveshard_core.plan.plan import source_layout
 
 from . import checkpoints, policy, rebalance, render, start_failures
-from .actions import Begin, Checkpoint, DeletePod, Event, EventType, ReleaseMember
+from .actions import AbortOn, Begin, Checkpoint, DeletePod, Event, EventType, ReleaseMember
 from .decision import Decision, Draft, by_pod
 from .inflight import progress
 from .observation import Job, Observation, Pod
@@ -65,6 +65,7 @@ def decide(seen: Observation, record: Record, job: Job, now: float) -> Decision:
         return draft.decision()
     _prune_ended(draft, in_world)
     _note_missing(draft, in_world)
+    _drop_given_up(draft)
     if record.in_flight is not None:
         progress(draft, record.in_flight)
     elif job.spec.suspend and _suspend(draft):
@@ -104,6 +105,25 @@ def _prune_ended(draft: Draft, in_world: set[str]) -> None:
     oldest_first = sorted(ended, key=lambda p: (p.ended, p.created, p.pod_name))
     for pod in oldest_first[: max(len(oldest_first) - draft.job.spec.failed_pods_kept, 0)]:
         draft.after.append(DeletePod(pod.pod_name))
+
+
+def _drop_given_up(draft: Draft) -> None:
+    """Abort an epoch pending at a training member though the record gave it up: a Prepare the
+    agent took after the abort went out (a call past its deadline, taken all the same). Left
+    pending, it would refuse every later change there; at a member that does not train, any
+    later change supersedes it."""
+    record = draft.record
+    flying = record.in_flight.epoch if record.in_flight else None
+    committed = record.world.epoch if record.world else None
+    for name, pod in draft.seen.pods.items():
+        agent = pod.agent
+        if agent is None or pod.gone or agent.phase != pb.AgentStatus.TRAINING:
+            continue
+        if not agent.HasField("pending"):
+            continue
+        epoch = agent.pending.epoch
+        if epoch not in (flying, committed) and epoch <= record.last_epoch:
+            draft.before.append(AbortOn(name, epoch))
 
 
 # ---- the first world ----

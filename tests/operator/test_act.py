@@ -240,6 +240,19 @@ def test_an_abort_overtaken_by_the_commit_is_not_recorded() -> None:
     assert "the abort came after the commit on p1" in condition(written, "Ready")["message"]
 
 
+def test_an_abort_of_an_epoch_given_up_before_does_not_undo_the_abort_in_flight() -> None:
+    case = CASES["in flight: a member failed to prepare"]
+    # p3 trains with epoch 0 pending, given up long ago: it answers its abort ABORTED.
+    stray = pod("p3", training(1, pending=pb.Pending(epoch=0, state=pb.Pending.PREPARED)))
+    pods = Observation({**case.seen.pods, "p3": stray})
+    calls: Calls = []
+    executor(calls, pods, p3=("abort:ABORTED",)).run(decide(pods, case.record, case.job, NOW))
+    order = kinds(calls)
+    assert sorted(order[:4]) == ["abort p0", "abort p1", "abort p2", "abort p3"]
+    assert order[4:] == ["status", "event ReconfigurationAborted"]
+    assert calls[4][1]["reconfiguration"]["inFlight"] is None
+
+
 def test_a_finished_job_lets_its_pods_go_before_it_is_marked_succeeded() -> None:
     case = CASES["the job trained its last step: release and delete every pod"]
     calls: Calls = []

@@ -1000,3 +1000,20 @@ def test_each_reconfiguration_ended_is_kept_in_a_bounded_history() -> None:
     history = decide(case.seen, case.record, replace(case.job, body=body), NOW).status["history"]
     assert len(history) == HISTORY and history[0]["epoch"] == -HISTORY + 1
     assert history[-1] == entry[0]
+
+
+def test_an_epoch_pending_at_a_member_though_given_up_is_aborted_there() -> None:
+    # Epoch 2 was given up (nothing in flight); p1 took its Prepare after the abort went out,
+    # and would refuse every later change. p3, standing by, took it too: any change supersedes
+    # it there.
+    late = pod("p1", training(1, pending=pending(2)), role=M)
+    pods = seen(TRAINING3[0], late, TRAINING3[2], pod("p3", standby(pending=pending(2))))
+    before = decide(pods, Record(world=W3, last_epoch=2), job(4), NOW).before
+    assert [a for a in before if isinstance(a, AbortOn)] == [AbortOn("p1", 2)]
+    # Not an epoch this record never began, nor the one in flight (whose own progress decides).
+    for record in (
+        Record(world=W3, last_epoch=1),
+        Record(world=W3, in_flight=SHRINK, last_epoch=2),
+    ):
+        before = decide(pods, record, J3, NOW).before
+        assert not any(isinstance(a, AbortOn) for a in before)
