@@ -40,8 +40,9 @@ For each size, in one run:
 
 A pod whose agent fails to start is said on stderr (the operator replaces it, and the run's
 figures then include that); a phase that does not end within its limit fails the run with the
-job's status and a line for each agent with an epoch pending or in another epoch than the
-world's (`astray`).
+job's status, a line for each agent with an epoch pending or in another epoch than the
+world's (`astray`), and the files in which each farm wrote the stacks of all its threads then
+(`Farms.dump_stacks`: where an agent that stopped answering was stuck).
 
 Passes run as the operator's job loop runs them: at once when the job or one of its pods
 changed since the last pass began (what its watches wake it for), but for the pass's own write
@@ -65,6 +66,7 @@ import math
 import multiprocessing as mp
 import os
 import resource
+import signal
 import statistics
 import sys
 import tempfile
@@ -331,9 +333,11 @@ def until(kube: SimKube, controller: JobController, calls: Calls, members: int,
     def more() -> bool:
         if time.perf_counter() - start > limit:
             job = kube.job()
+            stacks = ", ".join(str(path) for path in kube.farms.dump_stacks())
             raise RuntimeError(
                 f"no world of {members} after {limit} s: {json.dumps(job.get('status'))[:2000]}"
                 + "".join(f"\n{line}" for line in astray(controller, record(job)))
+                + f"\nthe stacks of the farms' threads (agents' servers and members): {stacks}"
             )
         return not training(kube, members)
 
@@ -391,12 +395,12 @@ def _step(members: int, per_pod: int) -> int:
     return max(1, members // 64 // per_pod) * per_pod
 
 
-def _farm(conn: Any, step_seconds: float, clock_zero: float) -> None:
+def _farm(conn: Any, step_seconds: float, clock_zero: float, stacks: str) -> None:
     """A farm process's entry: the agents' module (and torch) is imported there only."""
     os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # 127.x.y.z has no name: c10d warns of each
     from control_agents import serve_farm
 
-    serve_farm(conn, step_seconds, clock_zero)
+    serve_farm(conn, step_seconds, clock_zero, stacks)
 
 
 class Farms:
@@ -410,9 +414,15 @@ class Farms:
         ctx = mp.get_context("spawn")
         zero = time.time()
         self.conns, self.procs = [], []
-        for _ in range(-(-members // self.PER_FARM)):
+        # Where each farm writes its threads' stacks when asked (`stacks`).
+        self.stacks = [
+            Path(tempfile.gettempdir(), f"liveshard-farm-{os.getpid()}-{farm}.stacks")
+            for farm in range(-(-members // self.PER_FARM))
+        ]
+        for stacks in self.stacks:
             here, there = ctx.Pipe()
-            proc = ctx.Process(target=_farm, args=(there, step_seconds, zero), daemon=True)
+            proc = ctx.Process(target=_farm, args=(there, step_seconds, zero, str(stacks)),
+                               daemon=True)  # fmt: skip
             proc.start()
             self.conns.append(here)
             self.procs.append(proc)
@@ -453,6 +463,17 @@ class Farms:
                 merged[epoch] = (max(seen[0], obeyed.get(epoch, 0.0)), max(seen[1], ready),
                                  max(seen[2], switch))  # fmt: skip
         return merged
+
+    def dump_stacks(self, wait: float = 60.0) -> list[Path]:
+        """Have every farm write the stacks of all its threads (its agents' servers and members);
+        the files written within `wait` seconds."""
+        for proc in self.procs:
+            if proc.pid is not None and proc.is_alive():
+                os.kill(proc.pid, signal.SIGUSR1)
+        deadline = time.monotonic() + wait
+        while not all(p.exists() for p in self.stacks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return [path for path in self.stacks if path.exists()]
 
     def close(self) -> None:
         for farm, proc in enumerate(self.procs):

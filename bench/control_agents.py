@@ -16,14 +16,21 @@ member's status); here they are threads of the farm, not processes.
 
 `serve_farm` runs in a process of its own, fed over a pipe: ("start", name, environ) starts a
 pod's agents and answers ("ready", name) or ("failed", name, why); ("stop", name) stops one (its
-pod was deleted); ("agreed",) answers `AGREED` and `OBEYED`; ("quit",) ends the farm.
+pod was deleted); ("agreed",) answers `AGREED` and `OBEYED`; ("quit",) ends the farm. On SIGUSR1
+it writes the stacks of all its threads, named, to the file it was given (`write_stacks`): what a
+change that does not end shows of its agents. (faulthandler's dump stops at 100 threads; a farm
+runs thousands.)
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -324,9 +331,26 @@ class _Pod:
             self.front.close()
 
 
-def serve_farm(conn: Connection, step_seconds: float, clock_zero: float) -> None:
-    """Serve the pods the operator asks for (see the module's docstring)."""
+def serve_farm(conn: Connection, step_seconds: float, clock_zero: float, stacks: str) -> None:
+    """Serve the pods the operator asks for (see the module's docstring); SIGUSR1 writes the
+    stacks of its threads to `stacks`."""
     logging.basicConfig(level=logging.WARNING)
+    signal.signal(signal.SIGUSR1, lambda *_: write_stacks(stacks))
+    _serve(conn, step_seconds, clock_zero)
+
+
+def write_stacks(path: str) -> None:
+    """The stack of every thread of this process, named, at `path` (whole once it is there)."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    with open(f"{path}.part", "w") as out:
+        for ident, frame in sys._current_frames().items():  # noqa: SLF001  # the one way
+            out.write(f"Thread {names.get(ident, '?')!r} ({ident:#x}), most recent call last:\n")
+            out.writelines(traceback.format_stack(frame))
+            out.write("\n")
+    os.replace(f"{path}.part", path)
+
+
+def _serve(conn: Connection, step_seconds: float, clock_zero: float) -> None:
     pods: dict[str, _Pod] = {}
     specs: dict[str, ModelSpec] = {}
     while True:

@@ -167,3 +167,22 @@ def test_pod_proxy_benchmark_quick(tmp_path: Path) -> None:
     assert pod["members"] == 8
     for way in ("per_member", "pod_call"):
         assert 0 < pod[f"{way}_median_ms"] <= pod[f"{way}_p99_ms"]
+
+
+def test_the_control_benchmarks_farms_write_their_threads_stacks_when_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What a control run that does not end shows of its agents (`Farms.dump_stacks`)."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # the farm's process imports it too
+    import control
+
+    farms = control.Farms(members=1, step_seconds=1.0, per_pod=1)
+    try:
+        farms.agreed()  # the farm serves (its handler is registered before that)
+        (written,) = farms.dump_stacks()
+        text = written.read_text()
+        assert "Thread 'MainThread'" in text and "in _serve" in text and "control_agents.py" in text
+    finally:
+        farms.close()
+    assert written.exists()  # the farms' end keeps it
+    written.unlink()
