@@ -78,8 +78,14 @@ def test_the_standby_takes_the_lease_over_and_the_job_outlives_the_operator(
     # The leader dies without notice: it cannot hand the Lease over.
     kube.kubectl("delete", "pod", leader, "--grace-period=0", "--force")
     killed = time.monotonic()
+
+    def state() -> str:  # what a takeover that does not come shows
+        phases = {name: (p.get("status") or {}).get("phase") for name, p in operator_pods().items()}
+        return f"the Lease {lease()}; the operator's pods {phases}"
+
     taken = wait_until(lambda: (s := lease())["holderIdentity"].startswith(f"{standby}_") and s,
-                       LEASE_DURATION + 30, "the standby holding the Lease")  # fmt: skip
+                       LEASE_DURATION + 30, "the standby holding the Lease",
+                       describe=state)  # fmt: skip
     # Expired by the standby's clock: a lease duration after it last saw a renewal, which came
     # at most a retry period before the kill, and found at its next try (a few seconds of slack
     # for two shared cores).
