@@ -466,14 +466,16 @@ class Farms:
 
     def dump_stacks(self, wait: float = 60.0) -> list[Path]:
         """Have every farm write the stacks of all its threads (its agents' servers and members);
-        the files written within `wait` seconds."""
-        for proc in self.procs:
+        the files written within `wait` seconds (a farm that died writes none)."""
+        asked = []
+        for proc, path in zip(self.procs, self.stacks, strict=True):
             if proc.pid is not None and proc.is_alive():
                 os.kill(proc.pid, signal.SIGUSR1)
+                asked.append(path)
         deadline = time.monotonic() + wait
-        while not all(p.exists() for p in self.stacks) and time.monotonic() < deadline:
+        while not all(p.exists() for p in asked) and time.monotonic() < deadline:
             time.sleep(0.2)
-        return [path for path in self.stacks if path.exists()]
+        return [path for path in asked if path.exists()]
 
     def close(self) -> None:
         for farm, proc in enumerate(self.procs):

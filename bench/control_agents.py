@@ -331,14 +331,6 @@ class _Pod:
             self.front.close()
 
 
-def serve_farm(conn: Connection, step_seconds: float, clock_zero: float, stacks: str) -> None:
-    """Serve the pods the operator asks for (see the module's docstring); SIGUSR1 writes the
-    stacks of its threads to `stacks`."""
-    logging.basicConfig(level=logging.WARNING)
-    signal.signal(signal.SIGUSR1, lambda *_: write_stacks(stacks))
-    _serve(conn, step_seconds, clock_zero)
-
-
 def write_stacks(path: str) -> None:
     """The stack of every thread of this process, named, at `path` (whole once it is there)."""
     names = {thread.ident: thread.name for thread in threading.enumerate()}
@@ -350,7 +342,11 @@ def write_stacks(path: str) -> None:
     os.replace(f"{path}.part", path)
 
 
-def _serve(conn: Connection, step_seconds: float, clock_zero: float) -> None:
+def serve_farm(conn: Connection, step_seconds: float, clock_zero: float, stacks: str) -> None:
+    """Serve the pods the operator asks for (see the module's docstring); SIGUSR1 writes the
+    stacks of its threads to `stacks`."""
+    logging.basicConfig(level=logging.WARNING)
+    signal.signal(signal.SIGUSR1, lambda *_: write_stacks(stacks))
     pods: dict[str, _Pod] = {}
     specs: dict[str, ModelSpec] = {}
     while True:

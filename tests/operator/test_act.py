@@ -31,7 +31,7 @@ from liveshard.v1 import agent_pb2 as pb
 from liveshard_core.job import Deadlines
 from liveshard_core.layout.layout import Layout
 from tests.operator.test_decide import CASES, CHECKPOINTED, J3, TRAINING3, W3, condition
-from tests.operator.values import BODY, NOW, job, pod, seen, standby, training
+from tests.operator.values import BODY, NOW, job, pending, pod, seen, standby, training
 
 NOW_PLUS_A_YEAR = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=365)
 
@@ -243,7 +243,7 @@ def test_an_abort_overtaken_by_the_commit_is_not_recorded() -> None:
 def test_an_abort_of_an_epoch_given_up_before_does_not_undo_the_abort_in_flight() -> None:
     case = CASES["in flight: a member failed to prepare"]
     # p3 trains with epoch 0 pending, given up long ago: it answers its abort ABORTED.
-    stray = pod("p3", training(1, pending=pb.Pending(epoch=0, state=pb.Pending.PREPARED)))
+    stray = pod("p3", training(1, pending=pending(0)))
     pods = Observation({**case.seen.pods, "p3": stray})
     calls: Calls = []
     executor(calls, pods, p3=("abort:ABORTED",)).run(decide(pods, case.record, case.job, NOW))
