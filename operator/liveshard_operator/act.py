@@ -42,7 +42,7 @@ from .actions import (
     Prepare,
     ReleaseMember,
 )
-from .agents import AgentClient, AgentError, fan_out, prepare_request
+from .agents import FAN_OUT, AgentClient, AgentError, fan_out, prepare_request
 from .certificates import Certificates
 from .decision import Decision, checkpointed, hosted, not_hosted, overtaken
 from .kube import ApiError, Events, Kube
@@ -190,14 +190,7 @@ class Executor:
     def run(self, decision: Decision) -> Decision:
         """Carry out `decision` (see the module's docstring for the order); the decision carried
         out (a reconfiguration's begin recorded once its store is hosted)."""
-        aborts = [a for a in decision.before if isinstance(a, AbortOn)]
-        # An abort answered ABORTED (the commit came first) undoes the pass's abort of the
-        # change in flight; one of an epoch given up before (`decide`) undoes nothing.
-        given_up = decision.unaborted.in_flight if decision.unaborted is not None else None
-        overtaking = [
-            answer for abort, answer in zip(aborts, fan_out(self._abort, aborts), strict=True)
-            if answer is not None and given_up is not None and abort.epoch == given_up.epoch
-        ]  # fmt: skip
+        overtaking = self._aborts(decision)
         if overtaking:
             decision = overtaken(decision, *overtaking[0])
         for action in decision.before:
@@ -253,25 +246,50 @@ class Executor:
                 labels = {"metadata": {"labels": {render.ROLE_LABEL: role}}}
                 self.kube.patch(self.namespace, "pods", pod, labels)
             case AbortOn():
-                self._abort(action)
+                self._abort([action], wait=True)
             case Event():
                 self._post(decision, action)
             case _:
                 assert_never(action)
 
-    def _abort(self, abort: AbortOn) -> tuple[str, str] | None:
-        """Abort the epoch on one member; (member, why) when it answers ABORTED: the epoch is
-        in effect there (the commit came first)."""
-        try:
-            self.clients[abort.member].abort(abort.epoch)
-        except AgentError as err:
-            log.info("job %s: aborting epoch %s on %s: %s", self.name, abort.epoch,
-                     abort.member, err)  # fmt: skip
-            if err.code is grpc.StatusCode.ABORTED:
-                return abort.member, err.details
-        except KeyError:
-            pass  # no client: the agent never answered
-        return None
+    def _aborts(self, decision: Decision) -> list[tuple[str, str]]:
+        """Send the decision's aborts; (member, why) for each member of the change given up that
+        answered ABORTED: the epoch is in effect there (the commit came first, everywhere: that
+        undoes the pass's abort; one of an epoch given up before, `decide`, undoes nothing).
+        One member's drop decides for all (it records the epoch's decision), so only FAN_OUT of
+        the change's members are waited for, a call each, until they took the drop at their
+        next step boundary; the others are asked to queue it, a call a pod: a change of many
+        members is given up in one round of step boundaries, not one for every FAN_OUT."""
+        aborts = [a for a in decision.before if isinstance(a, AbortOn)]
+        given_up = decision.unaborted.in_flight if decision.unaborted is not None else None
+        epoch = given_up.epoch if given_up is not None else None
+        waited = [a for a in aborts if a.epoch == epoch][:FAN_OUT]
+        kept = set(waited)
+        queued = by_pod([a for a in aborts if a not in kept],
+                        lambda a: (a.epoch, decision.seen.pod_name(a.member)))  # fmt: skip
+        answers = fan_out(lambda a: self._abort([a], wait=True), waited)
+        answers += fan_out(
+            partial(self._abort, wait=False), queued, max(map(len, queued), default=1)
+        )
+        groups = [[a] for a in waited] + queued
+        return [
+            answer for group, found in zip(groups, answers, strict=True)
+            if group[0].epoch == epoch for answer in found
+        ]  # fmt: skip
+
+    def _abort(self, aborts: list[AbortOn], wait: bool) -> list[tuple[str, str]]:
+        """Abort one epoch on members of one pod (`wait`: until each dropped it, else once it is
+        queued there); (member, why) for each that answered ABORTED."""
+        epoch = aborts[0].epoch
+        members = [a.member for a in aborts if a.member in self.clients]  # else it never answered
+        if not members:
+            return []
+        what = f"aborting epoch {epoch}" if wait else f"queueing the abort of epoch {epoch}"
+        failed = self._to_pod(members, what, partial(_abort, epoch=epoch, wait=wait))
+        return [
+            (err.member, err.details) for err in failed
+            if isinstance(err, AgentError) and err.code is grpc.StatusCode.ABORTED
+        ]  # fmt: skip
 
     def _command(self, actions: list[ReleaseMember | CommitOn | Prepare]) -> None:
         """One kind of agent call, the same but for its member, to members of one pod."""
@@ -349,6 +367,10 @@ def _release(client: AgentClient, members: list[str], saved: int) -> None:
 
 def _commit(client: AgentClient, members: list[str], epoch: int) -> None:
     client.switch(epoch, 0, members)
+
+
+def _abort(client: AgentClient, members: list[str], epoch: int, wait: bool) -> None:
+    client.abort(epoch, wait, members)
 
 
 def by_pod(items: Iterable[T], pod: Callable[[T], Hashable]) -> list[list[T]]:

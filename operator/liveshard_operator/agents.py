@@ -134,8 +134,11 @@ class AgentClient:
         `members`, them all in one call (as `prepare`)."""
         self._call("Switch", pb.SwitchRequest(epoch=epoch, at_step=at_step), members)
 
-    def abort(self, epoch: int) -> None:
-        self._call("Abort", pb.AbortRequest(epoch=epoch))
+    def abort(self, epoch: int, wait: bool = True, members: Sequence[str] = ()) -> None:
+        """Abort `epoch` on the member (given `members`, on them all in one call, as `prepare`):
+        OK once it dropped it (`wait`: at its next step boundary) or once the drop is queued;
+        ABORTED when the epoch is in effect there."""
+        self._call("Abort", pb.AbortRequest(epoch=epoch, queue_only=not wait), members)
 
     def checkpoint(
         self, number: int, path: str, at_step: int, export_to: str = "", members: Sequence[str] = ()

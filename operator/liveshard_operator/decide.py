@@ -110,8 +110,8 @@ def _prune_ended(draft: Draft, in_world: set[str]) -> None:
 def _drop_given_up(draft: Draft) -> None:
     """Abort an epoch pending at a training member though the record gave it up: a Prepare the
     agent took after the abort went out (a call past its deadline, taken all the same). Left
-    pending, it would refuse every later change there; at a member that does not train, any
-    later change supersedes it."""
+    pending, it would refuse every later change there (unless its drop is queued there already:
+    `dropping`); at a member that does not train, any later change supersedes it."""
     record = draft.record
     flying = record.in_flight.epoch if record.in_flight else None
     committed = record.world.epoch if record.world else None
@@ -119,7 +119,7 @@ def _drop_given_up(draft: Draft) -> None:
         agent = pod.agent
         if agent is None or pod.gone or agent.phase != pb.AgentStatus.TRAINING:
             continue
-        if not agent.HasField("pending"):
+        if not agent.HasField("pending") or agent.pending.dropping:  # dropping: told already
             continue
         epoch = agent.pending.epoch
         if epoch not in (flying, committed) and epoch <= record.last_epoch:

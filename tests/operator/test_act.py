@@ -18,7 +18,7 @@ import pytest
 from liveshard_operator import controller as controller_module
 from liveshard_operator import pki, render
 from liveshard_operator.act import Executor, Options
-from liveshard_operator.actions import Prepare
+from liveshard_operator.actions import AbortOn, Prepare
 from liveshard_operator.agents import FAN_OUT, AgentClient, AgentError, fan_out, prepare_request
 from liveshard_operator.controller import JobController
 from liveshard_operator.decide import decide
@@ -117,8 +117,8 @@ class FakeAgent:
         store = (request.store.host, request.store.port)
         self._command("prepare", members, request.epoch, store, request)
 
-    def abort(self, epoch: int) -> None:
-        self._call("abort", epoch)
+    def abort(self, epoch: int, wait: bool = True, members: Sequence[str] = ()) -> None:
+        self._command("abort", members, epoch, "waited" if wait else "queued")
 
     def checkpoint(
         self, number: int, path: str, at_step: int, export_to: str = "", members: Sequence[str] = ()
@@ -251,6 +251,34 @@ def test_an_abort_of_an_epoch_given_up_before_does_not_undo_the_abort_in_flight(
     assert sorted(order[:4]) == ["abort p0", "abort p1", "abort p2", "abort p3"]
     assert order[4:] == ["status", "event ReconfigurationAborted"]
     assert calls[4][1]["reconfiguration"]["inFlight"] is None
+
+
+def test_a_change_of_many_members_waits_for_fan_out_drops_and_queues_the_others() -> None:
+    case = CASES["in flight: a member failed to prepare"]
+    decision = decide(case.seen, case.record, case.job, NOW)
+    # As if the change had FAN_OUT + 5 members pending: 4 of them in one pod ("big"); and a
+    # stray, pending an epoch given up before.
+    big = [replace(pod("big", training(1, pending=pending(2))), name=f"q{i}", pod="big")
+           for i in range(4)]  # fmt: skip
+    pods = Observation({**case.seen.pods, **{p.name: p for p in big}})
+    flying = [AbortOn(f"m{i}", 2) for i in range(FAN_OUT)]
+    flying += [AbortOn(p.name, 2) for p in big] + [AbortOn("m99", 2)]
+    decision = replace(decision, seen=pods, before=(AbortOn("stray", 1), *flying))
+    calls: Calls = []
+    run = executor(calls, pods)
+    run.clients.update({a.member: FakeAgent(a.member, calls) for a in decision.before})
+    run.clients["m99"] = FakeAgent("m99", calls, ("abort:ABORTED",))  # in effect there now
+    run.run(decision)
+    sent = [call for call in calls if call[0] == "abort"]
+    # FAN_OUT members waited for, a call each; the others queued, the pod's 4 in one call.
+    assert {call[1]: call[3] for call in sent} == {"stray": "queued"} | {
+        a.member: "waited" if i < FAN_OUT else "queued" for i, a in enumerate(flying)
+    }
+    assert [call[4] for call in sent if call[1] == "q0"] == [("q0", "q1", "q2", "q3")]
+    # A queued abort answered ABORTED still tells the commit came first.
+    written = next(call[1] for call in calls if call[0] == "status")
+    assert written["reconfiguration"]["inFlight"]["epoch"] == 2
+    assert "the abort came after the commit on m99" in condition(written, "Ready")["message"]
 
 
 def test_a_finished_job_lets_its_pods_go_before_it_is_marked_succeeded() -> None:

@@ -1017,3 +1017,9 @@ def test_an_epoch_pending_at_a_member_though_given_up_is_aborted_there() -> None
     ):
         before = decide(pods, record, J3, NOW).before
         assert not any(isinstance(a, AbortOn) for a in before)
+    # Nor once a drop of it is queued there (an Abort asked only to queue it): it drops it at
+    # its next step boundary.
+    dropping = pb.Pending(epoch=2, state=pb.Pending.PREPARED, dropping=True)
+    pods = seen(TRAINING3[0], pod("p1", training(1, pending=dropping), role=M), TRAINING3[2])
+    before = decide(pods, Record(world=W3, last_epoch=2), job(4), NOW).before
+    assert not any(isinstance(a, AbortOn) for a in before)

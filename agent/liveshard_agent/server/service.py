@@ -6,7 +6,8 @@ not yet obeyed (claims). A request that passes becomes one runtime command in th
 claim on the board, so the next call (and GetStatus) already sees it. Repeating an accepted
 request is answered OK and enqueues nothing, so an operator that restarted can replay its last
 step. Handlers return at once (the member takes commands at its next step boundary), except Abort,
-which waits for the member's answer so the caller learns whether the switch got there first.
+which waits for the member's answer so the caller learns whether the switch got there first
+(unless it asks only to queue the drop: `queue_only`).
 
 Raised errors become status codes through `errors.status_of`. This module must not touch the
 member: everything reaches it through the inbox, on the loop's thread.
@@ -240,7 +241,8 @@ class AgentService:
     def abort(self, request: pb.AbortRequest, context: Context) -> pb.AbortResponse:
         """OK once epoch `epoch` will not switch here (dropped now, given up before, or never
         pending: the drop records the abort as the epoch's decision, so no member can commit
-        it any more); ABORTED when it (or a later epoch) is in effect: its commit came first."""
+        it any more; `queue_only`: once the drop is queued); ABORTED when it (or a later epoch)
+        is in effect: its commit came first."""
         epoch = requests.epoch(request.epoch)
         with self._lock:
             snapshot = self._serving()
@@ -258,6 +260,9 @@ class AgentService:
                 ticket = self._obey(Drop(epoch), ClaimKind.DROP, epoch)
                 self.drops[epoch] = ticket
         # The member takes the drop at its next step boundary (or once a switch under way ends).
+        if request.queue_only:
+            self.log.info("epoch %s: abort queued on request", epoch)
+            return pb.AbortResponse()
         remaining = context.time_remaining()
         bound = self.job.deadlines.switch + self.job.deadlines.op
         if not ticket.wait(bound if remaining is None else max(min(remaining - 0.2, bound), 0)):

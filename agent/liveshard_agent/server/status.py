@@ -206,6 +206,7 @@ class Snapshot:
                 pb.Pending(
                     epoch=pending.epoch, state=pending.state.value, at_step=pending.at_step,
                     reason=pending.reason,
+                    dropping=any(c.number == pending.epoch for c in self.claimed(ClaimKind.DROP)),
                 )
             )  # fmt: skip
         if self.last_switch is not None:

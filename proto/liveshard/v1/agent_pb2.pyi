@@ -129,10 +129,12 @@ class SwitchResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AbortRequest(_message.Message):
-    __slots__ = ("epoch",)
+    __slots__ = ("epoch", "queue_only")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_ONLY_FIELD_NUMBER: _ClassVar[int]
     epoch: int
-    def __init__(self, epoch: _Optional[int] = ...) -> None: ...
+    queue_only: bool
+    def __init__(self, epoch: _Optional[int] = ..., queue_only: _Optional[bool] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ()
@@ -259,7 +261,7 @@ class Costs(_message.Message):
     def __init__(self, layer_seconds: _Optional[_Iterable[float]] = ..., first_seconds: _Optional[float] = ..., last_seconds: _Optional[float] = ..., steps: _Optional[int] = ..., imbalance: _Optional[float] = ..., stage_seconds: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Pending(_message.Message):
-    __slots__ = ("epoch", "state", "at_step", "reason")
+    __slots__ = ("epoch", "state", "at_step", "reason", "dropping")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[Pending.State]
@@ -276,11 +278,13 @@ class Pending(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     AT_STEP_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    DROPPING_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     state: Pending.State
     at_step: int
     reason: str
-    def __init__(self, epoch: _Optional[int] = ..., state: _Optional[_Union[Pending.State, str]] = ..., at_step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    dropping: bool
+    def __init__(self, epoch: _Optional[int] = ..., state: _Optional[_Union[Pending.State, str]] = ..., at_step: _Optional[int] = ..., reason: _Optional[str] = ..., dropping: _Optional[bool] = ...) -> None: ...
 
 class SwitchSummary(_message.Message):
     __slots__ = ("epoch", "step", "result", "cause", "reason", "to", "pause_seconds", "prepare_seconds", "network_bytes")

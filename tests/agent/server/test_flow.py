@@ -168,9 +168,12 @@ def test_a_job_grows_shrinks_aborts_checkpoints_and_drains(
     three = layout(["a0", "a2", "a1"], pp=3)
     attempt = change(3, host_store(a0, 3), shrunk, three, at_step=-1)
     prepare([a0, a2, a1], attempt)
-    for agent in (a0, a2, a1):
-        agent.call("Abort", pb.AbortRequest(epoch=3))
-        agent.call("Abort", pb.AbortRequest(epoch=3))  # again: already done
+    a0.call("Abort", pb.AbortRequest(epoch=3))  # answered once a0 dropped it
+    a0.call("Abort", pb.AbortRequest(epoch=3))  # again: already done
+    for agent in (a2, a1):  # answered once queued; each drops it at its next boundary
+        agent.call("Abort", pb.AbortRequest(epoch=3, queue_only=True))
+        status = agent.status()  # until then, its status says so
+        assert not status.HasField("pending") or status.pending.dropping, status
     for status in switched([a0, a2], 3, pb.SwitchSummary.ABORTED):
         assert status.epoch == 2 and status.layout == shrunk and not status.HasField("pending")
     assert a1.wait_for("no pending", lambda s: not s.HasField("pending")).phase == Phase.STANDBY
