@@ -27,6 +27,9 @@ For each size, in one run:
   too loaded for the members to keep their clock, the switch step recorded may be one whose
   time is past (`behind_the_clock_seconds`): its wait is then none; and how long the
   operator's Prepare calls took, each (`prepare_call_seconds`: median, 90th percentile, max);
+- abort: the same shrink again, but one member of the world fails to prepare it: until the
+  operator recorded it aborted (its Abort calls in the pass that gave it up:
+  `pass_stage_seconds`' act), and until every member dropped it (`all_dropped_seconds`);
 - the operator's memory: its process's peak resident set, against before the job;
 - how busy the machine was (`machine_busy_cores`, from /proc/stat: every process's CPU time,
   the agents' and the operator's, over the phase's wall time) in the start, the shrink and the
@@ -322,9 +325,9 @@ def astray(controller: JobController, seen: dict[str, Any]) -> list[str]:
 
 
 def until(kube: SimKube, controller: JobController, calls: Calls, members: int,
-          limit: float) -> dict[str, Any]:  # fmt: skip
+          limit: float, aborted: bool = False) -> dict[str, Any]:  # fmt: skip
     """Run passes as the operator's job loop does (`loop`) until a world of `members` is
-    committed; what it took."""
+    committed (`aborted`: until a change is recorded aborted); what it took."""
     requests, agent_calls = Counter(kube.requests), Counter(calls.count)
     prepares = len(calls.prepare_seconds)
     busy = _busy_seconds()
@@ -334,11 +337,14 @@ def until(kube: SimKube, controller: JobController, calls: Calls, members: int,
         if time.perf_counter() - start > limit:
             job = kube.job()
             stacks = ", ".join(str(path) for path in kube.farms.dump_stacks())
+            goal = "no change aborted" if aborted else f"no world of {members}"
             raise RuntimeError(
-                f"no world of {members} after {limit} s: {json.dumps(job.get('status'))[:2000]}"
+                f"{goal} after {limit} s: {json.dumps(job.get('status'))[:2000]}"
                 + "".join(f"\n{line}" for line in astray(controller, record(job)))
                 + f"\nthe stacks of the farms' threads (agents' servers and members): {stacks}"
             )
+        if aborted:
+            return not record(kube.job()).get("attempts")
         return not training(kube, members)
 
     passes = loop(kube, controller, more)
@@ -356,8 +362,32 @@ def until(kube: SimKube, controller: JobController, calls: Calls, members: int,
         "api_requests": dict(kube.requests - requests),
         "agent_calls": dict(calls.count - agent_calls),
         "prepare_call_seconds": _spread(calls.prepare_seconds[prepares:]),
-        "epoch": record(kube.job())["world"]["epoch"],
+        "epoch": record(kube.job())["lastEpoch"],
     }
+
+
+def aborted(kube: SimKube, controller: JobController, calls: Calls, pods: int) -> dict[str, Any]:
+    """A change to `pods` pods that one member fails to prepare: until the operator recorded it
+    aborted, and until every member of the world dropped it (at its step boundary, told by the
+    operator's Abort). The passes go on meanwhile, as the operator's would: a member whose
+    status the pass that gave the change up did not see is told by a later one."""
+    world = record(kube.job())["world"]["members"]
+    kube.farms.fail(world[0])
+    kube.scale(pods)
+    out = until(kube, controller, calls, len(world), 300, aborted=True)
+    out.pop("prepared")
+    began, limit, aborts = out.pop("began"), time.perf_counter() + 120, calls.count["Abort"]
+
+    def more() -> bool:
+        return kube.farms.dropped(out["epoch"])[0] < len(world) and time.perf_counter() < limit
+
+    later = loop(kube, controller, more)
+    dropped, last = kube.farms.dropped(out["epoch"])
+    if dropped < len(world):
+        raise RuntimeError(f"{dropped} of {len(world)} members dropped the aborted change")
+    out["all_dropped_seconds"] = round(last - began, 3)
+    out["later"] = {"passes": len(later), "aborts": calls.count["Abort"] - aborts}
+    return out
 
 
 def _spread(seconds: list[float]) -> dict[str, float]:
@@ -457,12 +487,23 @@ class Farms:
         when the switch step began."""
         merged: dict[int, tuple[float, float, float]] = {}
         for farm in range(len(self.conns)):
-            agreed, obeyed = self._ask(farm, ("agreed",), answer=True)
+            agreed, obeyed, _ = self._ask(farm, ("agreed",), answer=True)
             for epoch, (ready, switch) in agreed.items():
                 seen = merged.get(epoch, (0.0, 0.0, 0.0))
                 merged[epoch] = (max(seen[0], obeyed.get(epoch, 0.0)), max(seen[1], ready),
                                  max(seen[2], switch))  # fmt: skip
         return merged
+
+    def dropped(self, epoch: int) -> tuple[int, float]:
+        """How many members dropped `epoch`, and when the last did (wall-clock)."""
+        counts = [self._ask(farm, ("agreed",), answer=True)[2].get(epoch, (0, 0.0))
+                  for farm in range(len(self.conns))]  # fmt: skip
+        return sum(c for c, _ in counts), max((t for _, t in counts), default=0.0)
+
+    def fail(self, member: str) -> None:
+        """Make `member`'s next Prepare fail (told to every farm: one of them runs it)."""
+        for farm in range(len(self.conns)):
+            self._ask(farm, ("fail", member), answer=False)
 
     def dump_stacks(self, wait: float = 60.0) -> list[Path]:
         """Have every farm write the stacks of all its threads (its agents' servers and members);
@@ -526,6 +567,7 @@ def one_size(members: int, step_seconds: float, per_pod: int = 1) -> dict[str, A
         out["shrink"] = {"to": smaller, **until(kube, controller, calls, smaller, 300)}
         kube.scale(members // per_pod)
         out["grow"] = {"to": members, **until(kube, controller, calls, members, 300)}
+        out["abort"] = {"to": smaller, **aborted(kube, controller, calls, smaller // per_pod)}
         agreed = farms.agreed()
         for change in (out["start"], out["shrink"], out["grow"]):
             began, prepared = change.pop("began"), change.pop("prepared")

@@ -4,10 +4,11 @@ Each agent is what `liveshard_agent.server.process.serve` builds from its pod's 
 gRPC API over mutual TLS with the job's token, the status board, the command inbox, the member's
 loop `run_member`, a c10d store hosted when asked), with a `SimMember` in place of the `Member`.
 A `SimMember` takes `step_seconds` per step on a clock every member shares (so members of one
-world are at the same step at the same time), is prepared as soon as it is asked, and agrees on
-the switch step with the other members of a change through the change's c10d store, as real
-members agree in their step's all-reduce: each says it is prepared, and the first to see all of
-them prepared records the step two steps ahead, at which every member switches.
+world are at the same step at the same time), is prepared as soon as it is asked (or fails to
+be, once told to: `FAIL`), and agrees on the switch step with the other members of a change
+through the change's c10d store, as real members agree in their step's all-reduce: each says it
+is prepared, and the first to see all of them prepared records the step two steps ahead, at
+which every member switches.
 
 A pod of several members (LIVESHARD_POD_MEMBERS from 2) is what `liveshard_agent.server.pod`
 makes of it (its `Front`): an agent per member on its Unix socket, behind the pod's proxy on the
@@ -16,10 +17,10 @@ member's status); here they are threads of the farm, not processes.
 
 `serve_farm` runs in a process of its own, fed over a pipe: ("start", name, environ) starts a
 pod's agents and answers ("ready", name) or ("failed", name, why); ("stop", name) stops one (its
-pod was deleted); ("agreed",) answers `AGREED` and `OBEYED`; ("quit",) ends the farm. On SIGUSR1
-it writes the stacks of all its threads, named, to the file it was given (`write_stacks`): what a
-change that does not end shows of its agents. (faulthandler's dump stops at 100 threads; a farm
-runs thousands.)
+pod was deleted); ("agreed",) answers `AGREED`, `OBEYED` and `DROPPED`; ("fail", member) makes
+that member's next Prepare fail; ("quit",) ends the farm. On SIGUSR1 it writes the stacks of all
+its threads, named, to the file it was given (`write_stacks`): what a change that does not end
+shows of its agents. (faulthandler's dump stops at 100 threads; a farm runs thousands.)
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ PREFIX = "sim"  # the keys a change's members agree on, in its store
 AGREED: dict[int, tuple[float, float]] = {}
 # By epoch: when the last of this farm's members took its Prepare at a step boundary (wall-clock).
 OBEYED: dict[int, float] = {}
+# By epoch: how many of this farm's members dropped it, and when the last did (wall-clock).
+DROPPED: dict[int, tuple[int, float]] = {}
+# The members whose next Prepare fails (told by ("fail", member)): a change the operator aborts.
+FAIL: set[str] = set()
 
 
 @dataclass
@@ -131,7 +136,11 @@ class SimMember(Member):
 
     def request(self, change: Change) -> list[Switched]:
         future: Future[None] = Future()
-        future.set_result(None)  # prepared at once: no plan, no groups, no memory
+        if self.name in FAIL:
+            FAIL.discard(self.name)
+            future.set_exception(RuntimeError(f"{self.name} was told to fail this Prepare"))
+        else:
+            future.set_result(None)  # prepared at once: no plan, no groups, no memory
         OBEYED[change.epoch] = max(OBEYED.get(change.epoch, 0.0), time.time())
         self.pending = _Pending(change, future, time.perf_counter())
         return []
@@ -144,6 +153,8 @@ class SimMember(Member):
         pending = self.pending
         assert pending is not None and pending.change.epoch == epoch
         self.pending = None
+        count, _ = DROPPED.get(epoch, (0, 0.0))
+        DROPPED[epoch] = (count + 1, time.time())
         return self._settled(pending, Result.ABORTED, reason or f"epoch {epoch} dropped")
 
     def request_checkpoint(self, *_: Any) -> None:
@@ -179,7 +190,7 @@ class SimMember(Member):
         """Switch when every member of the pending change is prepared: at the step recorded
         by the first member to see it, two steps ahead."""
         pending = self.pending
-        if pending is None:
+        if pending is None or pending.future.exception() is not None:
             return []
         at = self._switch_step(pending)
         if at is None or self.step < at:
@@ -356,7 +367,10 @@ def serve_farm(conn: Connection, step_seconds: float, clock_zero: float, stacks:
                 pod.stop()
             return
         if message[0] == "agreed":
-            conn.send((dict(AGREED), dict(OBEYED)))
+            conn.send((dict(AGREED), dict(OBEYED), dict(DROPPED)))
+            continue
+        if message[0] == "fail":
+            FAIL.add(message[1])
             continue
         if message[0] == "stop":
             pod = pods.pop(message[1], None)

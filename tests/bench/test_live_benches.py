@@ -60,7 +60,7 @@ def test_training_benchmark_quick(tmp_path: Path) -> None:
 def test_control_benchmark_quick(tmp_path: Path, per_pod: int) -> None:
     # The real operator over 8 simulated agents, in pods of `per_pod` (several: behind the pod's
     # proxy): started, shrunk by one pod and grown back, each change committed as a new epoch,
-    # without torch in the operator's process.
+    # then a shrink aborted, without torch in the operator's process.
     report = run_bench("control.py", tmp_path / "control.json", "--members-per-pod", str(per_pod))
     (size,) = report["sizes"]
     assert size["members"] == 8 and size["members_per_pod"] == per_pod
@@ -91,6 +91,12 @@ def test_control_benchmark_quick(tmp_path: Path, per_pod: int) -> None:
         for one in stages:
             within = one["observe"] + one["decide"] + one["act"]
             assert 0 < within <= one["seconds"] + 0.003, one
+    # The same shrink again, which one member fails to prepare: recorded aborted, an Abort to
+    # each member, every member's drop counted.
+    abort = size["abort"]
+    assert abort["epoch"] > size["grow"]["epoch"] and abort["to"] == 8 - per_pod
+    assert abort["agent_calls"]["Abort"] == 8 and size["events"]["ReconfigurationAborted"] == 1
+    assert abort["all_dropped_seconds"] > 0, abort
     # One status call a pass for each pod: its members' statuses together.
     status = "GetStatus" if per_pod == 1 else "GetPodStatus"
     assert size["steady_pass"]["agent_calls_per_pass"] == {status: 8 / per_pod}
@@ -98,7 +104,7 @@ def test_control_benchmark_quick(tmp_path: Path, per_pod: int) -> None:
     # aside); with no pass running, only the members' own steps.
     cores = os.cpu_count() or 1
     for phase in (size["start"], size["members_alone"], size["idle_loop"], size["shrink"],
-                  size["grow"]):  # fmt: skip
+                  size["grow"], size["abort"]):  # fmt: skip
         assert 0 <= phase["machine_busy_cores"] <= cores + 0.05, phase
     assert size["start"]["machine_busy_cores"] > 0
     assert size["members_alone"]["seconds"] > 0
