@@ -17,10 +17,10 @@ member's status); here they are threads of the farm, not processes.
 
 `serve_farm` runs in a process of its own, fed over a pipe: ("start", name, environ) starts a
 pod's agents and answers ("ready", name) or ("failed", name, why); ("stop", name) stops one (its
-pod was deleted); ("agreed",) answers `AGREED`, `OBEYED` and `DROPPED`; ("fail", member) makes
-that member's next Prepare fail; ("quit",) ends the farm. On SIGUSR1 it writes the stacks of all
-its threads, named, to the file it was given (`write_stacks`): what a change that does not end
-shows of its agents. (faulthandler's dump stops at 100 threads; a farm runs thousands.)
+pod was deleted); ("agreed",) answers `AGREED`, `OBEYED`, `DROPPED` and `TOOK`; ("fail",
+member) makes that member's next Prepare fail; ("quit",) ends the farm. On SIGUSR1 it writes the
+stacks of all its threads, named, to the file it was given (`write_stacks`): what a change that
+does not end shows of its agents. (faulthandler's dump stops at 100 threads; a farm runs thousands.)
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -69,6 +70,9 @@ AGREED: dict[int, tuple[float, float]] = {}
 OBEYED: dict[int, float] = {}
 # By epoch: how many of this farm's members dropped it, and when the last did (wall-clock).
 DROPPED: dict[int, tuple[int, float]] = {}
+# By epoch: how many of this farm's members took its Prepare (one that never did has none to drop).
+TOOK: Counter[int] = Counter()
+_COUNTING = threading.Lock()  # the farm's members count in threads of their own
 # The members whose next Prepare fails (told by ("fail", member)): a change the operator aborts.
 FAIL: set[str] = set()
 
@@ -141,7 +145,9 @@ class SimMember(Member):
             future.set_exception(RuntimeError(f"{self.name} was told to fail this Prepare"))
         else:
             future.set_result(None)  # prepared at once: no plan, no groups, no memory
-        OBEYED[change.epoch] = max(OBEYED.get(change.epoch, 0.0), time.time())
+        with _COUNTING:
+            OBEYED[change.epoch] = max(OBEYED.get(change.epoch, 0.0), time.time())
+            TOOK[change.epoch] += 1
         self.pending = _Pending(change, future, time.perf_counter())
         return []
 
@@ -153,8 +159,9 @@ class SimMember(Member):
         pending = self.pending
         assert pending is not None and pending.change.epoch == epoch
         self.pending = None
-        count, _ = DROPPED.get(epoch, (0, 0.0))
-        DROPPED[epoch] = (count + 1, time.time())
+        with _COUNTING:
+            count, _ = DROPPED.get(epoch, (0, 0.0))
+            DROPPED[epoch] = (count + 1, time.time())
         return self._settled(pending, Result.ABORTED, reason or f"epoch {epoch} dropped")
 
     def request_checkpoint(self, *_: Any) -> None:
@@ -367,7 +374,9 @@ def serve_farm(conn: Connection, step_seconds: float, clock_zero: float, stacks:
                 pod.stop()
             return
         if message[0] == "agreed":
-            conn.send((dict(AGREED), dict(OBEYED), dict(DROPPED)))
+            with _COUNTING:
+                counts = (dict(AGREED), dict(OBEYED), dict(DROPPED), dict(TOOK))
+            conn.send(counts)
             continue
         if message[0] == "fail":
             FAIL.add(message[1])

@@ -96,7 +96,7 @@ def test_control_benchmark_quick(tmp_path: Path, per_pod: int) -> None:
     abort = size["abort"]
     assert abort["epoch"] > size["grow"]["epoch"] and abort["to"] == 8 - per_pod
     assert abort["agent_calls"]["Abort"] == 8 and size["events"]["ReconfigurationAborted"] == 1
-    assert abort["all_dropped_seconds"] > 0, abort
+    assert abort["all_dropped_seconds"] > 0 and abort["took_the_prepare"] == 8, abort
     # One status call a pass for each pod: its members' statuses together.
     status = "GetStatus" if per_pod == 1 else "GetPodStatus"
     assert size["steady_pass"]["agent_calls_per_pass"] == {status: 8 / per_pod}
