@@ -105,7 +105,10 @@ class JsonApi:
         content_type: str = "application/json",
         timeout: float | None = None,
     ) -> Any:
-        """One request; the decoded JSON answer, or `ApiError`."""
+        """One request; the decoded JSON answer, `ApiError` for a refusal, or an `OSError` when
+        the API server cannot be reached or does not answer in time (`TimeoutError`,
+        `ConnectionError`), as the socket's own errors are: callers that retry on the one catch
+        the other too (urllib3's errors are not `OSError`s)."""
         url = self.server + path + (f"?{urlencode(query)}" if query else "")
         self._refresh_token()
         headers = dict(self.headers)
@@ -113,9 +116,18 @@ class JsonApi:
         if body is not None:
             data = json.dumps(body).encode()
             headers["Content-Type"] = content_type
-        resp = self.pool.request(
-            method, url, body=data, headers=headers, timeout=timeout or self.timeout
-        )
+        try:
+            resp = self.pool.request(
+                method, url, body=data, headers=headers, timeout=timeout or self.timeout
+            )
+        except urllib3.exceptions.HTTPError as err:
+            # urllib3 makes a refused connection a kind of its connect timeout
+            late = isinstance(err, urllib3.exceptions.TimeoutError) and not isinstance(
+                err, urllib3.exceptions.NewConnectionError
+            )
+            if late:
+                raise TimeoutError(f"{method} {path}: no answer in time: {err}") from err
+            raise ConnectionError(f"{method} {path}: {err}") from err
         text = resp.data.decode(errors="replace")
         if resp.status == 429:
             raise Throttled(method, path, text, resp.headers.get("Retry-After"))

@@ -203,7 +203,11 @@ class Elector:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.step()
+            try:
+                self.step()
+            except Exception:  # never the end of the campaign: a replica that stopped it would
+                # stand by for good, or lead no more without stepping down
+                log.exception("lease %s: an attempt failed", self.election.name)
             self._stop.wait(self.election.retry_period)
 
     def stop(self) -> None:

@@ -1,11 +1,12 @@
 """The operator's API client against a real HTTP server: a rotated service-account token is
 presented from the next request on; a throttled request raises `Throttled` with the wait the
-server asks for."""
+server asks for; a server that cannot be reached or does not answer in time raises an `OSError`."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -75,3 +76,16 @@ def test_a_throttled_request_raises_with_the_wait_asked(server: tuple[str, list[
             api.request("GET", path)
         assert (caught.value.status, caught.value.retry_after) == (429, wait)
         assert (caught.value.method, caught.value.path) == ("GET", path)
+
+
+def test_an_unreachable_or_silent_server_raises_an_os_error() -> None:
+    """As a socket's own errors: what the leader election and the kubelet retry on."""
+    with socket.socket() as silent:  # accepts connections (its backlog), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        with pytest.raises(TimeoutError, match="GET /api: no answer in time"):
+            JsonApi(f"http://127.0.0.1:{port}").request("GET", "/api", timeout=0.2)
+    # Closed now: nothing listens on the port.
+    with pytest.raises(ConnectionError, match="GET /api: "):
+        JsonApi(f"http://127.0.0.1:{port}").request("GET", "/api", timeout=2)

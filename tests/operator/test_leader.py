@@ -1,18 +1,21 @@
 """Leader election on a Lease, against an in-memory API server that keeps one Lease with its
 resourceVersion (409 on a stale write, as the real one) and a fake clock: one leader at a time,
 the standby takes over only once the Lease expired by its own clock, the leader steps down before
-that when it cannot renew, and a released Lease is taken at once."""
+that when it cannot renew, and a released Lease is taken at once; no failed attempt ends the
+campaign (one against the real client and a closed port)."""
 
 from __future__ import annotations
 
 import copy
 import json
+import socket
+import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 from liveshard_operator import main
-from liveshard_operator.kube import ApiError
+from liveshard_operator.kube import ApiError, JsonApi
 from liveshard_operator.leader import Election, Elector
 
 PATH = "/apis/coordination.k8s.io/v1/namespaces/ops/leases/op"
@@ -174,6 +177,41 @@ def test_a_released_lease_is_taken_at_once() -> None:
     clock.now += 2
     assert b.step()
     assert api.spec()["holderIdentity"] == "b" and api.spec()["leaseTransitions"] == 1
+
+
+def test_an_unreachable_api_server_or_an_odd_answer_does_not_end_the_campaign() -> None:
+    """With the real client, a refused connection is an attempt that failed (urllib3's own
+    errors ended the campaign's thread once: a standby that never took over); and whatever else
+    an attempt raises, the next one comes a retry period later."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    unreachable = Elector(JsonApi(f"http://127.0.0.1:{port}"), Election("ops", "op", "a"))
+    assert not unreachable.step() and not unreachable.leading()
+
+    class Garbled(FakeApi):
+        def __init__(self) -> None:
+            super().__init__()
+            self.garbled = 2
+
+        def request(self, method: str, path: str, body: Any = None, **_: Any) -> Any:
+            if self.garbled:
+                self.garbled -= 1
+                raise ValueError("an answer that is not JSON")
+            return super().request(method, path, body)
+
+    api = Garbled()
+    timings = {"lease_duration": 3.0, "renew_deadline": 2.0, "retry_period": 0.05}
+    campaign = Elector(api, Election("ops", "op", "a", **timings))
+    campaign.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not campaign.leading() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert campaign.leading() and api.garbled == 0 and api.spec()["holderIdentity"] == "a"
+    finally:
+        campaign.stop()
+    assert api.spec()["holderIdentity"] is None  # released on stop
 
 
 @pytest.mark.parametrize(
