@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import json
 import socket
-import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -17,6 +16,8 @@ import pytest
 from liveshard_operator import main
 from liveshard_operator.kube import ApiError, JsonApi
 from liveshard_operator.leader import Election, Elector
+
+from liveshard_e2e.waiting import wait_until
 
 PATH = "/apis/coordination.k8s.io/v1/namespaces/ops/leases/op"
 
@@ -205,9 +206,7 @@ def test_an_unreachable_api_server_or_an_odd_answer_does_not_end_the_campaign() 
     campaign = Elector(api, Election("ops", "op", "a", **timings))
     campaign.start()
     try:
-        deadline = time.monotonic() + 10
-        while not campaign.leading() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(campaign.leading, 10, "the campaign leading after garbled answers", 0.05)
         assert campaign.leading() and api.garbled == 0 and api.spec()["holderIdentity"] == "a"
     finally:
         campaign.stop()
