@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from liveshard.codes import MAY_ANSWER_LATER
 from liveshard.layouts import to_message
 from liveshard.v1 import agent_pb2 as pb
 from liveshard.v1 import agent_pb2_grpc as pb_grpc
@@ -26,7 +27,6 @@ from liveshard_core.job import MEMBER_KEY
 
 from .actions import Prepare
 
-_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 FAN_OUT = 32  # agent calls of one pass in flight at once
 # The operator knows every world's layout: an agent's answer leaves its own out.
 _STATUS = pb.GetStatusRequest(omit_layout=True)
@@ -50,7 +50,7 @@ class AgentError(LiveshardError):
 
     @property
     def retryable(self) -> bool:
-        return self.code in _RETRYABLE
+        return self.code in MAY_ANSWER_LATER
 
 
 @dataclass(frozen=True)

@@ -117,9 +117,7 @@ class JsonApi:
             data = json.dumps(body).encode()
             headers["Content-Type"] = content_type
         try:
-            resp = self.pool.request(
-                method, url, body=data, headers=headers, timeout=timeout or self.timeout
-            )
+            resp = self._send(method, url, data, headers, timeout or self.timeout)
         except urllib3.exceptions.HTTPError as err:
             # urllib3 makes a refused connection a kind of its connect timeout
             late = isinstance(err, urllib3.exceptions.TimeoutError) and not isinstance(
@@ -134,6 +132,20 @@ class JsonApi:
         if not 200 <= resp.status < 300:
             raise ApiError(method, path, resp.status, text)
         return json.loads(text) if text else None
+
+    def _send(
+        self, method: str, url: str, data: bytes | None, headers: dict[str, str], timeout: float
+    ) -> urllib3.BaseHTTPResponse:
+        """The request, sent again once if it is a read (GET) and its connection dropped before
+        any answer: the API server (or a balancer before it) may close a pooled keep-alive
+        connection just as it is reused, and a read is safe to repeat. A write is not, nor is a
+        request that timed out (the server may still be working on it)."""
+        try:
+            return self.pool.request(method, url, body=data, headers=headers, timeout=timeout)
+        except urllib3.exceptions.ProtocolError:
+            if method != "GET":
+                raise
+        return self.pool.request(method, url, body=data, headers=headers, timeout=timeout)
 
     def _refresh_token(self) -> None:
         """Read the token file again if it changed since the last request (when it cannot be

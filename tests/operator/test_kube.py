@@ -1,6 +1,7 @@
 """The operator's API client against a real HTTP server: a rotated service-account token is
 presented from the next request on; a throttled request raises `Throttled` with the wait the
-server asks for; a server that cannot be reached or does not answer in time raises an `OSError`."""
+server asks for; a server that cannot be reached or does not answer in time raises an `OSError`;
+a read whose pooled connection the server dropped is sent again, a write is not."""
 
 from __future__ import annotations
 
@@ -89,3 +90,45 @@ def test_an_unreachable_or_silent_server_raises_an_os_error() -> None:
     # Closed now: nothing listens on the port.
     with pytest.raises(ConnectionError, match="GET /api: "):
         JsonApi(f"http://127.0.0.1:{port}").request("GET", "/api", timeout=2)
+
+
+def test_a_read_on_a_connection_dropped_under_it_is_sent_again() -> None:
+    """The server keeps each connection open after its first answer and drops it, unanswered,
+    on its next request: as an API server or a balancer closing an idle keep-alive connection
+    just as the client reuses it."""
+    answered: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive: the client pools the connection
+        served = False  # on this connection
+
+        def _answer(self) -> None:
+            if self.served:
+                self.close_connection = True  # dropped without an answer
+                return
+            self.served = True
+            answered.append(self.command)
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            body = json.dumps({"n": len(answered)}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        api = JsonApi(f"http://127.0.0.1:{httpd.server_port}", pool_size=1)
+        assert api.request("GET", "/api") == {"n": 1}
+        assert api.request("GET", "/api") == {"n": 2}  # dropped, then sent on a new connection
+        with pytest.raises(ConnectionError, match="POST /api: "):  # dropped: not sent again
+            api.request("POST", "/api", {})
+        assert answered == ["GET", "GET"]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

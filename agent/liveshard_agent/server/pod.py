@@ -57,6 +57,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from liveshard.codes import MAY_ANSWER_LATER
 from liveshard.v1 import agent_pb2 as pb
 from liveshard_core.errors import InvalidInput
 from liveshard_core.job import MEMBER_KEY
@@ -86,9 +87,6 @@ _NO_DEADLINE = 1e8
 # (GetPodStatus, a command for several), to answer in time with what came and what did not (a
 # quarter of it when it is shorter).
 _ANSWER_MARGIN = 0.25
-# Codes of a member that may take the call later: a command for several members that one of them
-# failed so is answered with it (the caller sends it again soon).
-_MAY_ANSWER_LATER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _METRICS_TIMEOUT = 2.0  # seconds a member has to answer for its metrics
 _STOP_GRACE = 5.0  # seconds for calls in flight when the proxy stops
 _SERVED_POLL = 0.1  # seconds between looks for the members' sockets
@@ -203,7 +201,8 @@ class Proxy(grpc.GenericRpcHandler):
         failed = {n: a for n, a in answers.items() if isinstance(a, grpc.RpcError)}
         if failed:
             codes = [err.code() for err in failed.values()]
-            code = next((c for c in codes if c in _MAY_ANSWER_LATER), codes[0])
+            # one member that may take it later makes the caller send it again soon
+            code = next((c for c in codes if c in MAY_ANSWER_LATER), codes[0])
             context.abort(code, "; ".join(
                 f"member {name}: {err.code().name}: {err.details() or ''}"
                 for name, err in failed.items()
