@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
-from torch.distributed import Store
+from torch.distributed import DistError, Store
 
 from liveshard_agent.engine.world import StoreAddress, host_store
 from liveshard_agent.runtime.change import HELD, Change
@@ -195,11 +195,18 @@ class SimMember(Member):
 
     def at_boundary(self) -> list[Switched]:
         """Switch when every member of the pending change is prepared: at the step recorded
-        by the first member to see it, two steps ahead."""
+        by the first member to see it, two steps ahead. A change given up may have its store
+        freed by its host's drop before this member's: its round trip there then fails, and so
+        does the pending change (a member's loop would otherwise end on the error)."""
         pending = self.pending
         if pending is None or pending.future.exception() is not None:
             return []
-        at = self._switch_step(pending)
+        try:
+            at = self._switch_step(pending)
+        except DistError as err:  # the change's store is gone: its host dropped the change
+            pending.future = Future()  # failed, as a real member's connect to it would be
+            pending.future.set_exception(RuntimeError(f"the change's store is gone: {err}"))
+            return []
         if at is None or self.step < at:
             return []
         return [self._switch(pending)]
