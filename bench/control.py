@@ -505,8 +505,8 @@ class Farms:
         """How many members dropped `epoch`, how many took its Prepare, and when the last drop
         was (wall-clock)."""
         answers = [self._ask(farm, ("agreed",), answer=True) for farm in range(len(self.conns))]
-        drops = [dropped.get(epoch, (0, 0.0)) for _, _, dropped, _ in answers]
-        took = sum(took.get(epoch, 0) for *_, took in answers)
+        drops = [drops_by_epoch.get(epoch, (0, 0.0)) for _, _, drops_by_epoch, _ in answers]
+        took = sum(took_by_epoch.get(epoch, 0) for *_, took_by_epoch in answers)
         return sum(c for c, _ in drops), took, max((t for _, t in drops), default=0.0)
 
     def fail(self, member: str) -> None:
