@@ -19,9 +19,7 @@ cache=${LIVESHARD_CACHE:-$HOME/.cache/liveshard}
 # The key also carries a digest of this script, versions.env and the wrapper modules, so any
 # change to flags or dependencies builds afresh (liveshard_e2e.binaries computes the same).
 digest=$(cd "$here" && cat build.sh versions.env tools/etcd/go.mod tools/etcd/go.sum \
-         tools/helm/go.mod tools/helm/go.sum tools/k8s/go.mod tools/k8s/go.sum \
-         tools/kueue/go.mod tools/kueue/go.sum \
-         tools/scheduler-plugins/go.mod tools/scheduler-plugins/go.sum \
+         tools/k8s/go.mod tools/k8s/go.sum tools/kueue/go.mod tools/kueue/go.sum \
          | sha256sum | cut -c1-10)
 key="k8s-v${K8S_VERSION}_etcd-v${ETCD_VERSION}_helm-v${HELM_VERSION}_${digest}"
 out="$cache/bin/$key"
@@ -117,31 +115,33 @@ for p in $V $CV; do
     kld+=" -X $p.gitVersion=v$K8S_VERSION -X $p.gitMajor=1 -X $p.gitMinor=$minor"
     kld+=" -X $p.gitTreeState=clean -X $p.gitCommit=$zero -X $p.buildDate=1970-01-01T00:00:00Z"
 done
+# One wrapper module (tools/k8s) holds Kubernetes, helm and scheduler-plugins, so they share one
+# version of each common dependency and the packages they share are compiled once.
 for b in kube-apiserver kube-controller-manager kube-scheduler kubectl; do
     build k8s "$kld" "k8s.io/kubernetes/cmd/$b" "$b"
 done
-build etcd "-s -w -X go.etcd.io/etcd/api/v3/version.GitSHA=v$ETCD_VERSION" \
-    go.etcd.io/etcd/server/v3 etcd
 # helm's offline default Kubernetes version (helm template, helm lint) follows the cluster's.
 hld="-s -w -X helm.sh/helm/v3/internal/version.version=v$HELM_VERSION"
 hld+=" -X helm.sh/helm/v3/internal/version.gitTreeState=clean"
 for p in helm.sh/helm/v3/pkg/chartutil helm.sh/helm/v3/pkg/lint/rules; do
     hld+=" -X $p.k8sVersionMajor=1 -X $p.k8sVersionMinor=$minor"
 done
-build helm "$hld" helm.sh/helm/v3/cmd/helm helm
+build k8s "$hld" helm.sh/helm/v3/cmd/helm helm
+# scheduler-plugins' scheduler (its coscheduling plugin places a PodGroup's pods together) and
+# its PodGroup CRD, for the gang-scheduling tests (tests/e2e/test_gang.py).
+build k8s "$kld" sigs.k8s.io/scheduler-plugins/cmd/scheduler kube-scheduler-plugins
+plugins_dir=$(cd "$here/tools/k8s" \
+              && "$go" list -m -f '{{.Dir}}' sigs.k8s.io/scheduler-plugins) \
+    || fail "cannot locate the sigs.k8s.io/scheduler-plugins module"
+cp "$plugins_dir/manifests/coscheduling/crd.yaml" "$tmp/podgroup-crd.yaml"
+build etcd "-s -w -X go.etcd.io/etcd/api/v3/version.GitSHA=v$ETCD_VERSION" \
+    go.etcd.io/etcd/server/v3 etcd
 # Kueue's manager and its CRDs, for the tests of its pod integration (tests/e2e/test_kueue.py).
 build kueue "-s -w" sigs.k8s.io/kueue/cmd/kueue kueue
 kueue_dir=$(cd "$here/tools/kueue" && "$go" list -m -f '{{.Dir}}' sigs.k8s.io/kueue) \
     || fail "cannot locate the sigs.k8s.io/kueue module"
 mkdir -p "$tmp/kueue-crds"
 cp "$kueue_dir"/config/components/crd/bases/*.yaml "$tmp/kueue-crds/"
-# scheduler-plugins' scheduler (its coscheduling plugin places a PodGroup's pods together) and
-# its PodGroup CRD, for the gang-scheduling tests (tests/e2e/test_gang.py).
-build scheduler-plugins "$kld" sigs.k8s.io/scheduler-plugins/cmd/scheduler kube-scheduler-plugins
-plugins_dir=$(cd "$here/tools/scheduler-plugins" \
-              && "$go" list -m -f '{{.Dir}}' sigs.k8s.io/scheduler-plugins) \
-    || fail "cannot locate the sigs.k8s.io/scheduler-plugins module"
-cp "$plugins_dir/manifests/coscheduling/crd.yaml" "$tmp/podgroup-crd.yaml"
 
 # (Outputs are captured first: `cmd | grep -q` can fail under pipefail when grep exits early.)
 check_version() {  # check_version <expected substring> <command...>

@@ -75,14 +75,10 @@ _KEYED_FILES = (
     "versions.env",
     "tools/etcd/go.mod",
     "tools/etcd/go.sum",
-    "tools/helm/go.mod",
-    "tools/helm/go.sum",
     "tools/k8s/go.mod",
     "tools/k8s/go.sum",
     "tools/kueue/go.mod",
     "tools/kueue/go.sum",
-    "tools/scheduler-plugins/go.mod",
-    "tools/scheduler-plugins/go.sum",
 )
 
 
