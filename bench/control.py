@@ -253,7 +253,7 @@ class Calls:
                     self.prepare_seconds.append(time.perf_counter() - began)
             return answer
 
-        agents.AgentClient._call = counted  # type: ignore[method-assign]  # noqa: SLF001
+        agents.AgentClient._call = counted  # type: ignore[method-assign,assignment]  # noqa: SLF001
 
 
 def record(job: dict[str, Any]) -> dict[str, Any]:
@@ -410,7 +410,7 @@ def _spread(seconds: list[float]) -> dict[str, float]:
 
 
 def job_manifest(members: int, per_pod: int = 1) -> dict[str, Any]:
-    job = yaml.safe_load((ROOT / "examples" / "tiny-job.yaml").read_text())
+    job: dict[str, Any] = yaml.safe_load((ROOT / "examples" / "tiny-job.yaml").read_text())
     job["metadata"] = {"name": JOB, "namespace": NAMESPACE, "uid": "bench"}
     spec = job["spec"]
     pods = members // per_pod  # replicas count pods

@@ -39,11 +39,11 @@ from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
-from torch.distributed import DistError, Store
+from torch.distributed import DistError, Store, TCPStore
 
 from liveshard_agent.engine.world import StoreAddress, host_store
 from liveshard_agent.runtime.change import HELD, Change
-from liveshard_agent.runtime.events import Switched
+from liveshard_agent.runtime.events import Checkpointed, CheckpointFailed, Switched, Undecided
 from liveshard_agent.runtime.loop import run_member
 from liveshard_agent.runtime.member import Member
 from liveshard_agent.runtime.trainer import Scalars, StepRecord
@@ -128,11 +128,11 @@ class SimMember(Member):
 
     # ---- commands ----
 
-    def start(self, layout: Layout, epoch: int = 0) -> None:
+    def start(self, layout: Layout, epoch: int = 0, scalars: Scalars | None = None) -> None:
         # The first world's step 0 is the tick after the first member came (so all of them
         # are at step s on tick `zero + s`).
         zero = self._agreed(f"{PREFIX}/{epoch}/zero", self._tick() + 2)
-        self.trainer = _Trainer(layout, Scalars(seed=self.settings.seed))
+        self.trainer = _Trainer(layout, scalars or Scalars(seed=self.settings.seed))
         self.zero, self.epoch = zero, epoch
 
     def restore(self, layout: Layout, directory: str, epoch: int = 0) -> None:
@@ -193,7 +193,7 @@ class SimMember(Member):
             stepped(record)
         return record
 
-    def at_boundary(self) -> list[Switched]:
+    def at_boundary(self) -> list[Switched | Undecided | Checkpointed | CheckpointFailed]:
         """Switch when every member of the pending change is prepared: at the step recorded
         by the first member to see it, two steps ahead. A change given up may have its store
         freed by its host's drop before this member's: its round trip there then fails, and so
@@ -209,7 +209,7 @@ class SimMember(Member):
             return []
         if at is None or self.step < at:
             return []
-        return [self._switch(pending)]
+        return [self._take(pending)]
 
     def join(self) -> Switched | None:
         """A member of the new world only: switch once the step is recorded and reached."""
@@ -223,7 +223,7 @@ class SimMember(Member):
         self._wait_tick(zero + at)
         self.zero = zero
         self.trainer = _Trainer(pending.change.new, Scalars(step=at, seed=self.settings.seed))
-        return self._switch(pending)
+        return self._take(pending)
 
     def _switch_step(self, pending: _Pending) -> int | None:
         store = self.store
@@ -247,7 +247,7 @@ class SimMember(Member):
         )
         return at
 
-    def _switch(self, pending: _Pending) -> Switched:
+    def _take(self, pending: _Pending) -> Switched:
         change = pending.change
         self.pending = None
         self.epoch = change.epoch
@@ -279,7 +279,7 @@ class _LazyStore:
 
     def __init__(self, address: StoreAddress, timeout: float) -> None:
         self.address, self.timeout = address, timeout
-        self._store: Store | None = None
+        self._store: TCPStore | None = None
 
     @property
     def port(self) -> int:
@@ -389,9 +389,8 @@ def serve_farm(conn: Connection, step_seconds: float, clock_zero: float, stacks:
             FAIL.add(message[1])
             continue
         if message[0] == "stop":
-            pod = pods.pop(message[1], None)
-            if pod is not None:
-                pod.stop()
+            if message[1] in pods:
+                pods.pop(message[1]).stop()
             continue
         _, name, environ = message
         try:

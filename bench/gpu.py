@@ -71,8 +71,13 @@ def _sync(device: torch.device) -> None:
 
 def _seconds(fn: Callable[[], Any], device: torch.device, repeat: int = 5) -> float:
     """The fastest of `repeat` calls (after one of warm-up), the device synchronised after each."""
+
+    def synced() -> None:
+        fn()
+        _sync(device)
+
     _sync(device)
-    return best(lambda: (fn(), _sync(device)), repeat + 1)[1]
+    return best(synced, repeat + 1)[1]
 
 
 def limits(device: torch.device, quick: bool) -> dict[str, float]:

@@ -189,7 +189,7 @@ def restart(kube: Kube, replicas: int, directory: str, number: int) -> dict[str,
     path = os.path.join(directory, f"ckpt-{number}")
     for agent in agents:
         agent.checkpoint(number, path, at_step)
-    saved = wait_until(
+    saved: Any = wait_until(  # the agents' last checkpoint, once all saved it
         lambda: all(a.status().last_checkpoint.number == number for a in agents)
         and agents[0].status().last_checkpoint, STARTUP, "the checkpoint saved",
     )  # fmt: skip
@@ -373,8 +373,10 @@ def main() -> None:
                  "--timeout=180s", timeout=240)  # fmt: skip
         if args.only is not None:
             scenario = goodput(kube, scratch) if args.only == "goodput" else pods(kube)
-            result = {"machine": machine("local cluster (process kubelet), gloo on CPU"),
-                      args.only: scenario}  # fmt: skip
+            result: dict[str, Any] = {
+                "machine": machine("local cluster (process kubelet), gloo on CPU"),
+                args.only: scenario,
+            }  # fmt: skip
             print(json.dumps(result, indent=1), flush=True)
             write_json(args.out, result)
             return

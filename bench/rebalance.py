@@ -137,8 +137,8 @@ def _no_clock() -> dict[str, Any]:
     clock = clock_module.LayerClock
     saved = {name: getattr(clock, name) for name in
              ("begin", "boundary", "end", "backward_begin", "backward_end")}  # fmt: skip
-    clock.begin = clock.end = clock.backward_begin = clock.backward_end = lambda self: None
-    clock.boundary = lambda self, x, index: x
+    clock.begin = clock.end = clock.backward_begin = clock.backward_end = lambda self: None  # type: ignore[method-assign]
+    clock.boundary = lambda self, x, index: x  # type: ignore[method-assign]
     return saved
 
 

@@ -19,7 +19,7 @@ from urllib.parse import urlencode
 
 import urllib3
 import yaml
-from liveshard_operator.kube import MERGE, ApiError, JsonApi
+from liveshard_operator.kube import MERGE, ApiError, JsonApi, unreachable
 
 __all__ = ["MERGE", "STRATEGIC", "ApiError", "Rest"]
 
@@ -68,7 +68,16 @@ class Rest(JsonApi):
         self, path: str, resource_version: str, timeout_seconds: int = 240, **query: Any
     ) -> Iterator[dict[str, Any]]:
         """Watch events from ``resource_version``; ends when the server closes the stream.
-        An ERROR event (410 Gone among them) is raised as :class:`ApiError`."""
+        An ERROR event (410 Gone among them) is raised as :class:`ApiError`; a connection that
+        fails or goes silent, as the `OSError` a request raises (`unreachable`)."""
+        try:
+            yield from self._watch(path, resource_version, timeout_seconds, **query)
+        except urllib3.exceptions.HTTPError as err:
+            raise unreachable("WATCH", path, err) from err
+
+    def _watch(
+        self, path: str, resource_version: str, timeout_seconds: int, **query: Any
+    ) -> Iterator[dict[str, Any]]:
         params = {
             "watch": "true",
             "resourceVersion": resource_version,

@@ -57,6 +57,18 @@ class Throttled(ApiError):
             self.retry_after = 1.0
 
 
+def unreachable(method: str, path: str, err: urllib3.exceptions.HTTPError) -> OSError:
+    """urllib3's error as the `OSError` a socket would raise: `TimeoutError` when the API server
+    did not answer in time, else `ConnectionError` (urllib3 makes a refused connection a kind of
+    its connect timeout)."""
+    late = isinstance(err, urllib3.exceptions.TimeoutError) and not isinstance(
+        err, urllib3.exceptions.NewConnectionError
+    )
+    if late:
+        return TimeoutError(f"{method} {path}: no answer in time: {err}")
+    return ConnectionError(f"{method} {path}: {err}")
+
+
 class JsonApi:
     """JSON requests against one API server with one identity; safe to share between threads.
     The local cluster's harness (`liveshard_e2e.rest`) makes its requests with this class too."""
@@ -119,13 +131,7 @@ class JsonApi:
         try:
             resp = self._send(method, url, data, headers, timeout or self.timeout)
         except urllib3.exceptions.HTTPError as err:
-            # urllib3 makes a refused connection a kind of its connect timeout
-            late = isinstance(err, urllib3.exceptions.TimeoutError) and not isinstance(
-                err, urllib3.exceptions.NewConnectionError
-            )
-            if late:
-                raise TimeoutError(f"{method} {path}: no answer in time: {err}") from err
-            raise ConnectionError(f"{method} {path}: {err}") from err
+            raise unreachable(method, path, err) from err
         text = resp.data.decode(errors="replace")
         if resp.status == 429:
             raise Throttled(method, path, text, resp.headers.get("Retry-After"))

@@ -1,17 +1,23 @@
 """The harness's own parts (no cluster needed): its bounded waits (the value awaited, a timeout
 naming what was awaited and what was last seen, the trace a run asks for with
-LIVESHARD_E2E_TRACE) and the free ports its servers take (never the same to two processes)."""
+LIVESHARD_E2E_TRACE), the free ports its servers take (never the same to two processes) and its
+watches' errors (a dropped stream is an `OSError`, as a request's, which the kubelet retries on)."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
+import yaml
 
 from liveshard_e2e import procs
+from liveshard_e2e.rest import ApiError, Rest
 from liveshard_e2e.waiting import wait_until
 
 
@@ -84,3 +90,57 @@ def test_a_port_another_live_process_was_given_is_not_given_until_it_ends(
     finally:
         other.communicate("")
     assert procs.free_port() == port  # free again once the other ended
+
+
+def test_a_watch_yields_events_and_raises_a_dropped_stream_as_a_connection_error(
+    tmp_path: Path,
+) -> None:
+    """The server streams one event and then an ERROR event (under /gone) or drops the
+    connection in the middle of its chunked answer (under /dropped)."""
+    added = json.dumps({"type": "ADDED", "object": {"kind": "Pod"}}).encode() + b"\n"
+    gone = json.dumps({"type": "ERROR", "object": {"code": 410, "reason": "Expired"}}).encode()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(added), added))
+            if self.path.startswith("/gone"):
+                self.wfile.write(b"%x\r\n%s\n\r\n0\r\n\r\n" % (len(gone) + 1, gone))
+            else:
+                self.wfile.write(b"ff\r\n{")  # a chunk cut short
+                self.close_connection = True
+            self.wfile.flush()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "current-context": "c",
+        "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
+        "clusters": [{"name": "k", "cluster": {
+            "server": f"http://127.0.0.1:{httpd.server_port}",
+            "certificate-authority": str(tmp_path / "unused-ca.crt"),
+        }}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+    }))  # fmt: skip
+    try:
+        rest = Rest(kubeconfig)
+        events = rest.watch("/dropped", "1")
+        assert next(events)["type"] == "ADDED"
+        with pytest.raises(ConnectionError, match="WATCH /dropped: "):
+            next(events)
+        events = rest.watch("/gone", "1")
+        assert next(events)["type"] == "ADDED"
+        with pytest.raises(ApiError) as caught:
+            next(events)
+        assert (caught.value.status, caught.value.reason) == (410, "Expired")
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
