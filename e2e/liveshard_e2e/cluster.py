@@ -24,7 +24,7 @@ from liveshard_e2e import controlplane as cp
 from liveshard_e2e import procs
 from liveshard_e2e.binaries import Binaries, cache_root, find_binaries
 from liveshard_e2e.kubelet import netns, netpol
-from liveshard_e2e.kubelet.config import KubeletConfig, NodeSpec
+from liveshard_e2e.kubelet.config import KubeletConfig, NodeSpec, pod_tmp
 from liveshard_e2e.pki import create_pki, issue_serving_cert
 from liveshard_e2e.rest import Rest
 from liveshard_e2e.waiting import wait_until
@@ -318,6 +318,8 @@ def _down_locked(name: str) -> bool:
         if record is not None:
             procs.stop(record, grace_seconds=10)
     _kill_pod_groups(run_dir(name) / "kubelet" / "pids")
+    for pod in (run_dir(name) / "kubelet" / "pods").glob("*_*_*"):  # `pod_dir`: ns_name_uid
+        shutil.rmtree(pod_tmp(pod.name.rpartition("_")[2]), ignore_errors=True)
     options = state.get("options")
     if isinstance(options, dict) and options.get("pod_network") == "netns":
         # What a kubelet that died left of its pods' namespaces and its policies' tables.

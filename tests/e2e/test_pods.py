@@ -10,12 +10,13 @@ from liveshard_e2e.testing import Kube, python_pod, ready, running
 from liveshard_e2e.waiting import wait_until
 
 ENV_DUMP = """
-import json, os, socket
+import json, os, socket, tempfile
+tempfile.mkstemp()  # in the pod's own TMPDIR
 sock = socket.socket()
 sock.bind((os.environ["POD_IP"], 0))  # the pod IP is really usable by the process
 keys = ["GREETING", "POD_NAME", "POD_NAMESPACE", "POD_IP", "NODE", "FROM_CM", "FROM_SECRET",
         "CFG_mode", "APP_LABEL", "CPU_LIMIT", "ESCAPED", "HOSTNAME", "KUBECONFIG",
-        "KUBERNETES_SERVICE_HOST", "CUDA_VISIBLE_DEVICES"]
+        "KUBERNETES_SERVICE_HOST", "CUDA_VISIBLE_DEVICES", "TMPDIR"]
 print("ENV " + json.dumps({k: os.environ.get(k) for k in keys}), flush=True)
 import time
 time.sleep(3600)
@@ -70,6 +71,10 @@ def test_pod_runs_with_ip_env_and_logs(kube: Kube) -> None:
     assert seen["CPU_LIMIT"] == "2"
     assert seen["KUBECONFIG"] and seen["KUBERNETES_SERVICE_HOST"] == "127.0.0.1"
     assert seen["CUDA_VISIBLE_DEVICES"] == ""
+    tmp = Path(seen["TMPDIR"])  # the pod's own, as a container's /tmp, and gone with it
+    assert tmp.name == f"liveshard-pod-{pod['metadata']['uid']}" and any(tmp.iterdir())
+    kube.kubectl("delete", "pod", "envdump", "--grace-period=0", "--force")
+    wait_until(lambda: not tmp.exists(), 30, "the pod's TMPDIR removed with it")
 
 
 def test_gpu_request_is_scheduled_and_visible(kube: Kube) -> None:

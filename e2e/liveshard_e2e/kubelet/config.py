@@ -4,6 +4,7 @@ the files through which a running kubelet is steered (a node's heartbeat switch)
 from __future__ import annotations
 
 import json
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -96,3 +97,10 @@ def set_heartbeat(run_dir: Path | str, node: str, enabled: bool) -> None:
 def pod_dir(run_dir: Path | str, namespace: str, name: str, uid: str) -> Path:
     """Where a pod's logs, token and kubeconfig live."""
     return Path(run_dir) / "kubelet" / "pods" / f"{namespace}_{name}_{uid}"
+
+
+def pod_tmp(uid: str) -> Path:
+    """A pod's containers' TMPDIR: the pod's own, gone with it, as a container's /tmp is (its
+    writable layer, or the emptyDir there). Short, under the system's: members' sockets go in
+    it, and a socket's path has at most 107 bytes."""
+    return Path(tempfile.gettempdir()) / f"liveshard-pod-{uid}"

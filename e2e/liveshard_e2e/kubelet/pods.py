@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import shutil
 import signal
 import subprocess
 import threading
@@ -19,7 +20,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from liveshard_e2e.kubelet import netns
-from liveshard_e2e.kubelet.config import pod_dir
+from liveshard_e2e.kubelet.config import pod_dir, pod_tmp
 from liveshard_e2e.kubelet.credentials import write_pod_credentials
 from liveshard_e2e.kubelet.env import EnvError, command_line, container_env, decode_secret
 from liveshard_e2e.kubelet.netns import NetworkError, PodNetwork
@@ -51,6 +52,7 @@ class PodWorker:
         self._lock = threading.Lock()
         self.dir = pod_dir(node.config.run_dir, self.namespace, self.name, self.uid)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.tmp = pod_tmp(self.uid)
         pids = node.config.state_dir / "pids"
         spec = pod["spec"]
         self.init_containers = [
@@ -103,6 +105,7 @@ class PodWorker:
             if self.network is not None:
                 self.network.down()
             self.node.release_ip(self.pod_ip)
+            shutil.rmtree(self.tmp, ignore_errors=True)
             (self.dir / ".done").touch()
 
     def _release_gpus(self) -> None:
@@ -186,6 +189,8 @@ class PodWorker:
     def _credentials(self) -> dict[str, str]:
         env = dict(self.node.base_env)
         env["HOSTNAME"] = self.name
+        self.tmp.mkdir(mode=0o700, exist_ok=True)
+        env["TMPDIR"] = str(self.tmp)  # a container's own TMPDIR in its spec wins
         # In a namespace of its own, the pod reaches the host's API server at the gateway.
         host = "127.0.0.1" if self.network is None else netns.GATEWAY
         env.update(self.node.config.api_env(host))
