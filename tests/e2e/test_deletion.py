@@ -58,16 +58,19 @@ def test_ignored_sigterm_is_killed_at_deadline_after_prestop(kube: Kube, tmp_pat
     marker = tmp_path / "term"
     prestop = tmp_path / "prestop"
     container = _python(IGNORES_TERM, marker)
-    container["lifecycle"] = {
-        "preStop": {"exec": {"command": ["python", "-c", f"open({str(prestop)!r}, 'w')"]}}
-    }
+    # The hook runs in the container: with its environment, the kubelet's part of it too.
+    hook = (
+        f"import os; open({str(prestop)!r}, 'w').write(os.environ['HOSTNAME'] + os.environ['MARK'])"
+    )
+    container["lifecycle"] = {"preStop": {"exec": {"command": ["python", "-c", hook]}}}
+    container["env"] = [{"name": "MARK", "value": " from the spec"}]
     kube.apply(python_pod("stubborn", "", container=container, terminationGracePeriodSeconds=60))
     pod = kube.wait_pod("stubborn", running, "Running")
     wait_until(lambda: "waiting" in kube.logs("stubborn"), 30, "the handler to be installed")
     pid = _pid(pod)
     kube.kubectl("delete", "pod", "stubborn", "--grace-period=3", "--wait=false")
     wait_until(marker.exists, 15, "SIGTERM to reach the process")
-    assert prestop.exists(), "the preStop hook runs before SIGTERM"
+    assert prestop.read_text() == "stubborn from the spec", "the preStop hook runs before SIGTERM"
     assert marker.read_text() == "SIGTERM ignored"
     kube.wait_pod_gone("stubborn", timeout=30)
     assert process_start_time(pid) is None, f"pid {pid} survived the grace deadline"

@@ -385,11 +385,10 @@ class PodWorker:
         hook = ((c.spec.get("lifecycle") or {}).get("preStop")) or {}
         remaining = max(0.0, (self._deadline or time.monotonic()) - time.monotonic())
         try:
-            if "exec" in hook:
-                env = container_env(self._pod_now(), c.spec, self.node.base_env, self._lookup)
+            if "exec" in hook:  # in the container, as an exec probe: its environment, its netns
                 subprocess.run(
-                    hook["exec"]["command"],
-                    env=env,
+                    self._wrap(list(hook["exec"]["command"]), c),
+                    env=c.env,
                     timeout=remaining,
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,
