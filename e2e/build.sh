@@ -106,6 +106,10 @@ build() {  # build <wrapper dir> <ldflags> <package> <binary name>
     log "built $name in $((SECONDS - t0)) s"
 }
 
+module_dir() {  # module_dir <wrapper dir> <module>: where the module's files are (for its CRDs)
+    (cd "$here/tools/$1" && "$go" list -m -f '{{.Dir}}' "$2") || fail "cannot locate the $2 module"
+}
+
 V=k8s.io/component-base/version
 CV=k8s.io/client-go/pkg/version
 minor=$(echo "$K8S_VERSION" | cut -d. -f2)
@@ -130,16 +134,13 @@ build k8s "$hld" helm.sh/helm/v3/cmd/helm helm
 # scheduler-plugins' scheduler (its coscheduling plugin places a PodGroup's pods together) and
 # its PodGroup CRD, for the gang-scheduling tests (tests/e2e/test_gang.py).
 build k8s "$kld" sigs.k8s.io/scheduler-plugins/cmd/scheduler kube-scheduler-plugins
-plugins_dir=$(cd "$here/tools/k8s" \
-              && "$go" list -m -f '{{.Dir}}' sigs.k8s.io/scheduler-plugins) \
-    || fail "cannot locate the sigs.k8s.io/scheduler-plugins module"
+plugins_dir=$(module_dir k8s sigs.k8s.io/scheduler-plugins)
 cp "$plugins_dir/manifests/coscheduling/crd.yaml" "$tmp/podgroup-crd.yaml"
 build etcd "-s -w -X go.etcd.io/etcd/api/v3/version.GitSHA=v$ETCD_VERSION" \
     go.etcd.io/etcd/server/v3 etcd
 # Kueue's manager and its CRDs, for the tests of its pod integration (tests/e2e/test_kueue.py).
 build kueue "-s -w" sigs.k8s.io/kueue/cmd/kueue kueue
-kueue_dir=$(cd "$here/tools/kueue" && "$go" list -m -f '{{.Dir}}' sigs.k8s.io/kueue) \
-    || fail "cannot locate the sigs.k8s.io/kueue module"
+kueue_dir=$(module_dir kueue sigs.k8s.io/kueue)
 mkdir -p "$tmp/kueue-crds"
 cp "$kueue_dir"/config/components/crd/bases/*.yaml "$tmp/kueue-crds/"
 
